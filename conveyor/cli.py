@@ -1,0 +1,199 @@
+"""The `conveyor` command: up, gateway, worker, demo-model.
+
+Every setting of :class:`shared.settings.Settings` is a flag (``--redis-url``)
+and an environment variable (``CONVEYOR_REDIS_URL``); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shared.settings import Mode, Role, Settings
+
+log = logging.getLogger("conveyor")
+
+_SUBCOMMAND_HELP = {
+    "up": "start Redis (if needed), the gateway and the workers; Ctrl-C stops everything",
+    "gateway": "run only the HTTP gateway",
+    "worker": "run only one worker (an engine for one role)",
+    "demo-model": "generate the tiny random-weight demo model into PATH",
+}
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (flag > CONVEYOR_* environment > default)")
+    for name, info in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "CONVEYOR_" + name.upper()
+        default = info.default
+        help_text = f"{info.description or ''} [env {env}; default {default}]"
+        group.add_argument(flag, dest=name, default=None, help=help_text, metavar="VALUE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in _SUBCOMMAND_HELP.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "demo-model":
+            command.add_argument("path", type=Path)
+            command.add_argument("--seed", type=int, default=0)
+        else:
+            _add_setting_flags(command)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+class _NoProbeAccessLog(logging.Filter):
+    """Keep readiness polls out of the access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "GET /ready " not in message and "GET /health " not in message
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.access").addFilter(_NoProbeAccessLog())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo-model":
+        _setup_logging("INFO")
+        from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+
+        write_demo_model(args.path, seed=args.seed)
+        print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
+        return 0
+    settings = settings_from(args)
+    _setup_logging(settings.log_level)
+    if args.command == "gateway":
+        return run_gateway(settings)
+    if args.command == "worker":
+        from workers.main import run_worker
+
+        return run_worker(settings)
+    return run_up(settings)
+
+
+def run_gateway(settings: Settings) -> int:
+    from gateway.server import serve
+
+    return serve(settings)
+
+
+def _settings_env(settings: Settings) -> dict[str, str]:
+    env = {}
+    for name, value in settings.model_dump(exclude_unset=False).items():
+        if value is not None:
+            env["CONVEYOR_" + name.upper()] = str(value)
+    return env
+
+
+def _conveyor_command() -> list[str]:
+    script = Path(sys.executable).with_name("conveyor")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("conveyor")
+    return [found] if found else [sys.executable, "-m", "conveyor.cli"]
+
+
+def run_up(settings: Settings) -> int:
+    from conveyor.redis_server import redis_answers, start_private_redis
+    from conveyor.supervisor import Child, Supervisor, child_env
+
+    redis_process = None
+    if not redis_answers(settings.redis_url):
+        log.info("no Redis answers at %s; starting a private one", settings.redis_url)
+        redis_process = start_private_redis(settings.redis_url, settings.data_dir)
+    if settings.model is None:
+        from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+
+        path = write_demo_model(settings.demo_model_path())
+        settings = settings.model_copy(update={"model": str(path.resolve()),
+                                               "served_model_name": settings.served_name()})
+        log.warning(DEMO_MODEL_NOTICE)
+    env = child_env(_settings_env(settings))
+    supervisor = Supervisor()
+    command = _conveyor_command()
+    try:
+        for number, role in enumerate(worker_roles(settings)):
+            supervisor.add(Child(f"{role}-{number}", [*command, "worker", "--role", role], env,
+                                 on_exit=_forget_worker(settings.redis_url)))
+        supervisor.add(Child("gateway", [*command, "gateway"], env))
+        return supervisor.run(tick=ReadyAnnouncer(settings))
+    finally:
+        supervisor.stop_all()
+        if redis_process is not None:
+            redis_process.terminate()
+            redis_process.wait(10)
+
+
+def _forget_worker(redis_url: str) -> Callable[[int], None]:
+    """A dead worker leaves the registry at once, so its jobs are reclaimed at once."""
+
+    def forget(pid: int) -> None:
+        from shared.registry import forget_dead_process
+
+        for worker_id in forget_dead_process(redis_url, pid):
+            log.info("worker %s is gone; the others take over its jobs now", worker_id)
+
+    return forget
+
+
+def worker_roles(settings: Settings) -> list[str]:
+    """The workers `up` starts: N aggregated, or N prefill + N decode; plus one embed
+    worker when an embedding model is set."""
+    if settings.mode is Mode.DISAGGREGATED:
+        roles = [Role.PREFILL.value, Role.DECODE.value] * settings.workers
+    else:
+        roles = [Role.AGGREGATED.value] * settings.workers
+    if settings.embed_model:
+        roles.append(Role.EMBED.value)
+    return roles
+
+
+class ReadyAnnouncer:
+    """Polled by the supervisor loop: says once when the gateway reports ready."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._url = f"http://{settings.host}:{settings.port}"
+        self._model = settings.served_name()
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        try:
+            ready = httpx.get(f"{self._url}/ready", timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return
+        if ready:
+            self._done = True
+            log.info("Conveyor is ready: %s/v1 serving model %r. Ctrl-C stops everything.",
+                     self._url, self._model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""`conveyor up`'s process tree: start children, restart the ones that die, stop them all.
+
+Every child is its own OS process (`conveyor gateway`, `conveyor worker --role
+...`) in this process's group and is told to exit when this process dies
+(PR_SET_PDEATHSIG), so Ctrl-C or a crash of `up` leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+MAX_BACKOFF_S = 30.0
+EXIT_CONFIG_ERROR = 2
+"""A child that exits with this code cannot start as configured: restarting is pointless."""
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    restart: bool = True
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start_monotonic: float = 0.0
+    started_monotonic: float = field(default=0.0)
+    on_exit: Callable[[int], None] | None = None
+    """Called with the pid of the child once it has exited (workers: leave the registry)."""
+
+    def start(self) -> None:
+        # Its own process group, so whatever it spawned (vLLM's engine core) can be
+        # killed with it even when it dies too abruptly to clean up after itself.
+        self.process = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
+        self.started_monotonic = time.monotonic()
+        log.info("started %s (pid %d): %s", self.name, self.process.pid, " ".join(self.command))
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL anything still in the child's process group (orphaned engine cores)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+class Supervisor:
+    def __init__(self, *, grace_s: float = 30.0) -> None:
+        self.children: list[Child] = []
+        self._grace_s = grace_s
+        self._stopping = False
+        self.exit_code = 0
+
+    def add(self, child: Child) -> None:
+        self.children.append(child)
+        child.start()
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def run(self, *, poll_s: float = 0.5, tick: Callable[[], None] | None = None) -> int:
+        """Supervise until asked to stop; restart dead children with backoff."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.request_stop)
+        while not self._stopping:
+            for child in self.children:
+                self._check(child)
+            if tick is not None:
+                tick()
+            time.sleep(poll_s)
+        self.stop_all()
+        return self.exit_code
+
+    def _check(self, child: Child) -> None:
+        if child.alive():
+            return
+        now = time.monotonic()
+        if child.process is not None and child.next_start_monotonic == 0.0:
+            code = child.process.returncode
+            child.kill_leftovers()
+            if child.on_exit is not None:
+                try:
+                    child.on_exit(child.process.pid)
+                except Exception as exc:  # the next heartbeat expiry does the same, later
+                    log.warning("after %s exited: %s", child.name, exc)
+            if not child.restart or code == EXIT_CONFIG_ERROR:
+                log.error("%s exited with %s and will not be restarted; stopping", child.name, code)
+                self.exit_code = 1
+                self._stopping = True
+                return
+            if now - child.started_monotonic > 60:
+                child.restarts = 0  # it ran fine for a while: reset the backoff
+            delay = min(MAX_BACKOFF_S, 2.0**child.restarts)
+            child.restarts += 1
+            child.next_start_monotonic = now + delay
+            log.warning("%s exited with %s; restarting in %.0fs", child.name, code, delay)
+        if now >= child.next_start_monotonic:
+            child.next_start_monotonic = 0.0
+            child.start()
+
+    def stop_all(self) -> None:
+        processes = [(c.name, c.process) for c in self.children if c.process and c.alive()]
+        for _, process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        for name, process in processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", name)
+                process.kill()
+                process.wait()
+        for child in self.children:
+            child.kill_leftovers()
+        log.info("all children stopped")
+
+
+def child_env(overrides: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(overrides)
+    return env

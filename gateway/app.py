@@ -1,0 +1,110 @@
+"""Gateway app factory. The lifespan owns every resource: Redis, the reply reader,
+the worker directory and the gateway's liveness key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from redis.exceptions import RedisError
+
+from gateway.dispatch import AdmissionPolicy, Dispatcher
+from gateway.error_handlers import install_error_handlers
+from gateway.model_catalog import ModelCatalog, ModelKind, load_model
+from gateway.routes import health, openai
+from gateway.state import GatewayState
+from gateway.translate import UnknownFieldLog
+from gateway.worker_directory import WorkerDirectory
+from shared import keys
+from shared.model_source import resolve_model_path
+from shared.redis_conn import connect
+from shared.registry import WorkerRegistry
+from shared.reply_stream import ReplyRouter
+from shared.settings import Settings
+from shared.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = _build_state(settings)
+        app.state.gateway = state
+        tasks = [
+            asyncio.create_task(state.router.run(), name="reply-router"),
+            asyncio.create_task(state.directory.run(), name="worker-directory"),
+            asyncio.create_task(_liveness(state), name="gateway-liveness"),
+            asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
+        ]
+        log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
+        try:
+            yield
+        finally:
+            state.draining = True
+            await state.dispatcher.wait_background()
+            await cancel_and_wait(tasks)
+            with contextlib.suppress(RedisError):
+                await state.redis.delete(
+                    keys.gateway_heartbeat(state.gateway_id), state.router.stream
+                )
+            await state.redis.aclose()
+
+    app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(health.router)
+    return app
+
+
+def _build_state(settings: Settings) -> GatewayState:
+    gateway_id = f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    redis = connect(settings.redis_url)
+    catalog = ModelCatalog.load(
+        settings.served_name(), resolve_model_path(settings), settings.max_model_len
+    )
+    embed_path, embed_name = settings.embed_model_path(), settings.embed_served_name()
+    if embed_path is not None and embed_name is not None:
+        catalog.add(load_model(embed_name, embed_path, None, ModelKind.EMBED))
+    router = ReplyRouter(redis, keys.reply_stream(gateway_id))
+    directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
+    dispatcher = Dispatcher(
+        redis,
+        router,
+        directory,
+        AdmissionPolicy(
+            settings.queue_max_depth,
+            settings.idempotency_ttl_s,
+            settings.disagg_min_prompt_tokens,
+            settings.admission_retry_s,
+        ),
+    )
+    return GatewayState(
+        settings=settings,
+        gateway_id=gateway_id,
+        redis=redis,
+        catalog=catalog,
+        directory=directory,
+        router=router,
+        dispatcher=dispatcher,
+        unknown_fields=UnknownFieldLog(),
+    )
+
+
+async def _liveness(state: GatewayState) -> None:
+    """A TTL key that says this gateway (and its reply stream) is alive."""
+    ttl_s = state.settings.gateway_liveness_ttl_s
+    while True:
+        try:
+            await state.redis.set(
+                keys.gateway_heartbeat(state.gateway_id), b"1", px=int(ttl_s * 1000)
+            )
+        except RedisError as exc:
+            log.warning("gateway liveness update failed: %s", exc)
+        await asyncio.sleep(min(1.0, ttl_s / 3))

@@ -1,0 +1,92 @@
+"""The one funnel from exceptions to OpenAI-shaped error responses."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from shared.errors import ConveyorError, RetryableError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def _conveyor_error(_: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, ConveyorError):  # registered for ConveyorError only
+        raise exc
+    headers = {}
+    if isinstance(exc, RetryableError):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, RequestValidationError):
+        raise exc
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = _param_path(location) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "The request body is not valid JSON.", None
+    elif param:
+        message = f"{param}: {message}"
+    return JSONResponse(
+        error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
+    )
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, HTTPException):
+        raise exc
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        error_body(str(exc.detail), type_, None, None),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(
+        error_body("internal server error", "server_error", None, None), status_code=500
+    )
+
+
+def _param_path(location: list[str]) -> str:
+    path = ""
+    for part in location:
+        if part.isdigit():
+            path += f"[{part}]"
+        elif _is_union_branch(part):
+            continue  # pydantic's union branch names are not request fields
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+_SCALAR_BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_branch(part: str) -> bool:
+    return (
+        part in _SCALAR_BRANCHES
+        or "[" in part
+        or part.startswith(("function-", "tagged-union", "union["))
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ConveyorError, _conveyor_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

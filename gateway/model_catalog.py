@@ -1,0 +1,104 @@
+"""The models this gateway serves: name, kind, tokenizer and context window."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from gateway.tokenizer import ModelTokenizer
+from shared.errors import InvalidRequest, ModelNotFound, WrongModelKind
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class ModelKind(StrEnum):
+    GENERATE = "generate"
+    """Chat and text completions."""
+    EMBED = "embed"
+    """/v1/embeddings."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    path: str
+    tokenizer: ModelTokenizer
+    max_model_len: int
+    created_unix: int
+    kind: ModelKind = ModelKind.GENERATE
+
+    def require(self, kind: ModelKind) -> ServedModel:
+        """This model, if it serves ``kind`` requests; else a 400 that says where to go."""
+        if self.kind is kind:
+            return self
+        if self.kind is ModelKind.EMBED:
+            what, use = "an embedding model", "/v1/embeddings"
+        else:
+            what, use = "a text generation model", "/v1/chat/completions or /v1/completions"
+        raise WrongModelKind(f"`{self.name}` is {what}: send it to {use}", param="model")
+
+
+class ModelCatalog:
+    def __init__(self, models: list[ServedModel]) -> None:
+        self._models = {model.name: model for model in models}
+
+    @classmethod
+    def load(cls, name: str, path: str, max_model_len: int | None) -> ModelCatalog:
+        return cls([load_model(name, path, max_model_len)])
+
+    def add(self, model: ServedModel) -> None:
+        if model.name in self._models:
+            raise ValueError(f"two served models are named {model.name!r}")
+        self._models[model.name] = model
+
+    def get(self, name: str) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise ModelNotFound(
+                f"The model `{name}` does not exist. Models served here: {known}.",
+                param="model",
+            )
+        return model
+
+    def all(self) -> list[ServedModel]:
+        return list(self._models.values())
+
+
+def load_model(
+    name: str, path: str, max_model_len: int | None, kind: ModelKind = ModelKind.GENERATE
+) -> ServedModel:
+    folder = _local_folder(path)
+    return ServedModel(
+        name=name,
+        path=path,
+        tokenizer=ModelTokenizer(folder),
+        max_model_len=max_model_len or _context_window(folder),
+        created_unix=int(time.time()),
+        kind=kind,
+    )
+
+
+def _local_folder(path: str) -> Path:
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.jinja"]))
+    except Exception as exc:
+        raise InvalidRequest(f"cannot find the model files of {path!r}: {exc}") from exc
+
+
+def _context_window(folder: Path) -> int:
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        return DEFAULT_MAX_MODEL_LEN
+    config = json.loads(config_file.read_text())
+    text_config = config.get("text_config", config)
+    value = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return int(value) if value else DEFAULT_MAX_MODEL_LEN

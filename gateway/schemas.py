@@ -1,0 +1,187 @@
+"""The OpenAI wire schema for requests (the gateway's vocabulary).
+
+Unknown fields are accepted and ignored (logged once per field name), so
+clients that send extras, like LangChain, keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_STOP_SEQUENCES = 32
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+_INT32_MAX = 2**31 - 1
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        missing = self.json_schema is None or not self.json_schema.schema_
+        if self.type == "json_schema" and missing:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Lenient):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
+    return_token_ids: bool = False
+    """Extension (as in vLLM's server): each choice carries its generated token ids."""
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalize the four OpenAI prompt shapes to a list of prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+def known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | frozenset(
+        f.alias for f in model.model_fields.values() if f.alias
+    )
+
+
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Lenient):
+    """``POST /v1/embeddings``: a string, a list of strings, token ids, or lists of them."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Normalize the four input shapes to a list of inputs."""
+        value = self.input
+        if isinstance(value, str):
+            items: list[str | list[int]] = [value]
+        elif value and all(isinstance(item, int) for item in value):
+            items = [list(value)]  # type: ignore[arg-type]
+        else:
+            items = list(value)  # type: ignore[arg-type]
+        if not items:
+            raise ValueError("input must not be empty")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input accepts at most {MAX_EMBEDDING_INPUTS} items")
+        return items

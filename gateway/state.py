@@ -1,0 +1,37 @@
+"""Everything a request handler needs, owned by the app's lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+
+from gateway.dispatch import Dispatcher
+from gateway.model_catalog import ModelCatalog
+from gateway.translate import UnknownFieldLog
+from gateway.worker_directory import WorkerDirectory
+from shared.reply_stream import ReplyRouter
+from shared.settings import Settings
+
+
+@dataclass(slots=True)
+class GatewayState:
+    settings: Settings
+    gateway_id: str
+    redis: aioredis.Redis
+    catalog: ModelCatalog
+    directory: WorkerDirectory
+    router: ReplyRouter
+    dispatcher: Dispatcher
+    unknown_fields: UnknownFieldLog
+    draining: bool = False
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(_state)]

@@ -1,0 +1,163 @@
+"""The one translation point: OpenAI requests -> internal prompts and SamplingOptions."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from gateway.model_catalog import ServedModel
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.protocol import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceSpec:
+    """One sequence to generate: the OpenAI choice index and its prompt."""
+
+    index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+class UnknownFieldLog:
+    """Logs each unknown request field name once per process."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def note(self, request: BaseModel) -> None:
+        for name in (request.model_extra or {}).keys() - self._seen:
+            self._seen.add(name)
+            log.info("ignoring unknown request field %r (logged once)", name)
+
+
+def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    messages = [_message_dict(i, message) for i, message in enumerate(request.messages)]
+    return model.tokenizer.encode_chat(messages)
+
+
+def _message_dict(position: int, message: Any) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.type != "text":
+                raise InvalidRequest(
+                    f"model does not accept {part.type} content parts",
+                    param=f"messages[{position}].content[{part_index}]",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name:
+        entry["name"] = message.name
+    return entry
+
+
+def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    try:
+        prompts = request.prompts()
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prompt") from exc
+    vocab = model.tokenizer.vocab_size()
+    token_lists: list[list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            token_lists.append(model.tokenizer.encode(prompt, add_special_tokens=True))
+            continue
+        if any(not 0 <= token < vocab for token in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        token_lists.append(list(prompt))
+    if any(not tokens for tokens in token_lists):
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    return token_lists
+
+
+def choices(
+    request: SamplingFields,
+    prompts: list[list[int]],
+    model: ServedModel,
+    *,
+    logprobs: int | None,
+) -> list[ChoiceSpec]:
+    """``n`` choices per prompt, indexed the way OpenAI numbers them."""
+    specs = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = _max_tokens(request, len(prompt), model.max_model_len)
+        for sample in range(request.n):
+            index = prompt_index * request.n + sample
+            seed = None if request.seed is None else request.seed + sample
+            specs.append(
+                ChoiceSpec(index, prompt, sampling_options(request, max_tokens, seed, logprobs))
+            )
+    return specs
+
+
+def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) -> int:
+    budget = request.token_budget()  # type: ignore[attr-defined]
+    room = max_model_len - prompt_len
+    param = "max_tokens"
+    if budget is None:
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {prompt_len} tokens, leaving no room to generate. Shorten the prompt.",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            )
+        return int(room)
+    if prompt_len + budget > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. You requested "
+            f"{prompt_len + budget} tokens ({prompt_len} in the prompt, {budget} for the "
+            f"completion). Reduce max_tokens to at most {max(room, 0)} or shorten the prompt.",
+            param=param,
+        )
+    return int(budget)
+
+
+def sampling_options(
+    request: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None
+) -> SamplingOptions:
+    json_schema, json_object = _structured(request)
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None or request.top_k == -1 else request.top_k,
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        seed=seed,
+        stop=request.stop_list(),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        json_schema=json_schema,
+        json_object=json_object,
+    )
+
+
+def _structured(request: SamplingFields) -> tuple[str | None, bool]:
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None, False
+    if response_format.type == "json_object":
+        return None, True
+    spec = response_format.json_schema
+    if spec is None or not spec.schema_:
+        raise InvalidRequest("json_schema.schema is required", param="response_format")
+    return json.dumps(spec.schema_), False
+
+
+def chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if not request.logprobs:
+        return None
+    return request.top_logprobs or 0

@@ -1,0 +1,168 @@
+"""The job queue: one Redis stream per (model, stage) with a consumer group.
+
+Admission (idempotency key, depth cap, XADD) is one Lua script, so a request is
+either queued whole (all of its ``n`` jobs) or not at all. Entries are deleted
+on ack (``XACK`` + ``XDEL`` in one ``MULTI``), never trimmed, so ``XLEN`` is
+the number of jobs queued or running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared import keys
+from shared.protocol import EmbedJob, GenerateJob, Job, ProtocolError, decode, encode
+from shared.redis_conn import as_text
+
+log = logging.getLogger(__name__)
+
+_ADMIT = """
+local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
+local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+if redis.call('EXISTS', admitted) == 1 then
+  -- a retry whose first try landed (its reply was lost): queued once, not twice
+  return {'queued', tostring(redis.call('XLEN', stream))}
+end
+if idem ~= '' then
+  local existing = redis.call('GET', idem)
+  if existing then return {'duplicate', existing} end
+end
+local depth = redis.call('XLEN', stream)
+local count = (#ARGV - 4) / 2
+if depth + count > max_depth then return {'full', tostring(depth)} end
+for i = 5, #ARGV, 2 do
+  redis.call('XADD', stream, '*', 'v', ARGV[4], 'm', ARGV[i + 1])
+end
+if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
+redis.call('SET', admitted, '1', 'EX', 600)
+return {'queued', tostring(depth + count)}
+"""
+
+
+class Admission(StrEnum):
+    QUEUED = "queued"
+    FULL = "full"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionResult:
+    outcome: Admission
+    detail: str
+    """Queue depth after admission (queued/full) or the original request id (duplicate)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    stream: str
+    entry_id: str
+    job: Job
+
+
+class JobQueue:
+    """Job streams on one Redis connection (real Redis, or fakeredis in unit tests)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._admit = redis.register_script(_ADMIT)
+
+    async def submit(
+        self,
+        stream: str,
+        jobs: Sequence[Job],
+        *,
+        max_depth: int,
+        idempotency_key: str | None = None,
+        idempotency_ttl_s: int = 3600,
+    ) -> AdmissionResult:
+        """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once."""
+        if not jobs:
+            raise ValueError("submit needs at least one job")
+        idem = keys.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
+        args: list[bytes | str | int] = [max_depth, idempotency_ttl_s, jobs[0].request_id, b"1"]
+        for job in jobs:
+            fields = encode(job)
+            args.extend([b"m", fields[b"m"]])
+        admitted = keys.admitted(jobs[0].request_id)
+        outcome, detail = await self._admit(keys=[stream, idem, admitted], args=args)
+        return AdmissionResult(Admission(as_text(outcome)), as_text(detail))
+
+    async def ensure_group(self, stream: str) -> None:
+        try:
+            await self._redis.xgroup_create(stream, keys.JOB_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(
+        self, streams: Sequence[str], consumer: str, *, count: int, block_ms: int
+    ) -> list[Delivery]:
+        """New entries for ``consumer``; malformed ones are dead-ended and skipped."""
+        reply: Any = await self._redis.xreadgroup(
+            keys.JOB_GROUP, consumer, {s: ">" for s in streams}, count=count, block=block_ms
+        )
+        deliveries: list[Delivery] = []
+        for raw_stream, entries in reply or []:
+            deliveries += await self._decode_entries(as_text(raw_stream), entries)
+        return deliveries
+
+    async def _decode_entries(self, stream: str, entries: list[Any]) -> list[Delivery]:
+        deliveries: list[Delivery] = []
+        for raw_id, fields in entries:
+            entry_id = as_text(raw_id)
+            try:
+                message = decode(fields)
+            except ProtocolError as exc:
+                log.error("dropping undecodable entry %s on %s: %s", entry_id, stream, exc)
+                await self.ack(stream, entry_id)
+                continue
+            if isinstance(message, GenerateJob | EmbedJob):
+                deliveries.append(Delivery(stream, entry_id, message))
+            else:
+                log.error("dropping non-job entry %s on %s", entry_id, stream)
+                await self.ack(stream, entry_id)
+        return deliveries
+
+    async def reclaim(
+        self,
+        stream: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int,
+        from_consumers: set[str] | None = None,
+        include_own: bool = False,
+    ) -> list[Delivery]:
+        """Take over entries idle for ``min_idle_ms`` held by ``from_consumers`` (dead
+        workers; default: any consumer but ``consumer`` itself)."""
+        rows: Any = await self._redis.xpending_range(
+            stream, keys.JOB_GROUP, min="-", max="+", count=max(count * 4, 64), idle=min_idle_ms
+        )
+        ids = [
+            row["message_id"]
+            for row in rows or []
+            if (include_own or as_text(row["consumer"]) != consumer)
+            and (from_consumers is None or as_text(row["consumer"]) in from_consumers)
+        ][:count]
+        if not ids:
+            return []
+        entries: Any = await self._redis.xclaim(
+            stream, keys.JOB_GROUP, consumer, min_idle_ms, ids
+        )
+        return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+
+    async def ack(self, stream: str, entry_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, keys.JOB_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+    async def depth(self, stream: str) -> int:
+        return int(await self._redis.xlen(stream))

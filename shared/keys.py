@@ -1,0 +1,89 @@
+"""Every Redis key name Conveyor uses, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "conveyor"
+
+JOB_GROUP = "workers"
+"""Consumer group every job stream has."""
+
+CONTROL_CHANNEL = f"{PREFIX}:control"
+"""Pub/sub channel carrying control commands (cancel) to every worker (db 0)."""
+
+
+def control_channel(db: int) -> str:
+    """Pub/sub channels are server-wide, not per db: keep deployments on other dbs apart."""
+    return CONTROL_CHANNEL if db == 0 else f"{CONTROL_CHANNEL}:{db}"
+
+
+def job_stream(model: str, role: str) -> str:
+    """One stream per (model, stage)."""
+    return f"{PREFIX}:jobs:{model}:{role}"
+
+
+def dead_letter_stream(job_stream_name: str) -> str:
+    """Jobs that failed too often, with their last error."""
+    return f"{job_stream_name}:dead"
+
+
+def stream_done_counter(job_stream_name: str) -> str:
+    """Jobs completed from a stream (the gateway derives the drain rate from it)."""
+    return f"{job_stream_name}:done"
+
+
+def stage_of_stream(job_stream_name: str) -> str:
+    """The stage (role) a job stream feeds: the last part of its name."""
+    return job_stream_name.rsplit(":", 1)[-1]
+
+
+def job_run(job_id: str, stage: str) -> str:
+    """Hash: the owning run's fence token, number of starts, next seq (one per stage)."""
+    return f"{PREFIX}:run:{stage}:{job_id}"
+
+
+RUN_PATTERN = f"{PREFIX}:run:*"
+
+
+def job_of_run(run_key: str) -> str:
+    return run_key.removeprefix(f"{PREFIX}:run:").split(":", 1)[-1]
+
+
+def job_emitted(job_id: str, stage: str) -> str:
+    """String of int32 token ids already sent to the client."""
+    return f"{PREFIX}:emitted:{stage}:{job_id}"
+
+
+_REPLY_PREFIX = f"{PREFIX}:reply:"
+
+
+def reply_stream(gateway_id: str) -> str:
+    """One stream per gateway process; workers XADD token events to it."""
+    return f"{_REPLY_PREFIX}{gateway_id}"
+
+
+def gateway_of_reply_stream(stream: str) -> str:
+    return stream.removeprefix(_REPLY_PREFIX)
+
+
+def cancel_flag(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def admitted(request_id: str) -> str:
+    """Set when a request's jobs were queued, so a retried admission never queues twice."""
+    return f"{PREFIX}:admitted:{request_id}"
+
+
+def idempotency(model: str, key: str) -> str:
+    return f"{PREFIX}:idem:{model}:{key}"
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
+
+
+def gateway_heartbeat(gateway_id: str) -> str:
+    return f"{PREFIX}:gateway:{gateway_id}"

@@ -1,0 +1,238 @@
+"""The internal message protocol: every message that crosses a process boundary.
+
+Named by pipeline stage: the gateway sends a :class:`GenerateJob` down a job
+stream; a worker sends :class:`TokenEvent` / :class:`FinishEvent` /
+:class:`ErrorEvent` back on the gateway's reply stream; :class:`CancelCommand`
+travels on the control channel. Messages are frozen msgspec structs encoded as
+MessagePack (never pickled) and carry a protocol version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+VERSION_FIELD: Final = b"v"
+PAYLOAD_FIELD: Final = b"m"
+EVENTS_FIELD: Final = b"e"
+"""A reply-stream entry holding a MessagePack array of events (one engine step's worth)."""
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded (wrong version or malformed payload)."""
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """What the engine needs to sample one sequence (OpenAI names, engine semantics)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Top-k alternatives per sampled token (0 = only the sampled token's logprob)."""
+    prompt_logprobs: int | None = None
+    json_schema: str | None = None
+    """JSON schema (serialized) the output must follow."""
+    json_object: bool = False
+    skip_special_tokens: bool = True
+
+
+class GenerateJob(
+    msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag_field="kind", tag="generate"
+):
+    """One sequence to generate. ``n`` choices are ``n`` jobs sharing a request_id."""
+
+    request_id: str
+    index: int
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    reply_to: str
+    deadline_unix: float
+    created_unix: float
+    handoff: dict[str, Any] | None = None
+    """Disaggregated decode: where the prefilled KV cache is (engine-specific, JSON-safe)."""
+
+    @property
+    def job_id(self) -> str:
+        return f"{self.request_id}/{self.index}"
+
+
+class EmbedJob(
+    msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag_field="kind", tag="embed"
+):
+    """One input to embed (``/v1/embeddings``): a list input is one job per item."""
+
+    request_id: str
+    index: int
+    model: str
+    prompt_token_ids: list[int]
+    reply_to: str
+    deadline_unix: float
+    created_unix: float
+    dimensions: int | None = None
+    """Matryoshka truncation, for models that support it."""
+
+    @property
+    def job_id(self) -> str:
+        return f"{self.request_id}/{self.index}"
+
+
+Job = GenerateJob | EmbedJob
+
+
+# ------------------------------------------------------------------------- events
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob]
+
+
+class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="tok"):
+    """New tokens of one sequence from one engine step."""
+
+    request_id: str
+    index: int
+    seq: int
+    attempt: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"):
+    """The sequence ended normally; the last event of a job."""
+
+    request_id: str
+    index: int
+    seq: int
+    attempt: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ErrorEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="err"):
+    """The sequence failed; carries the OpenAI error the client should see."""
+
+    request_id: str
+    index: int
+    seq: int
+    attempt: int
+    status: int
+    type: str
+    code: str | None
+    message: str
+    param: str | None = None
+
+
+class EmbeddingEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="emb"):
+    """The embedding of one input: its last (and only) event."""
+
+    request_id: str
+    index: int
+    seq: int
+    attempt: int
+    vector: bytes
+    """float32, little-endian (what ``encoding_format=base64`` sends as is)."""
+    prompt_tokens: int
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | EmbeddingEvent
+FINAL_EVENTS = (FinishEvent, ErrorEvent, EmbeddingEvent)
+"""A job's last event: one of these ends its sequence."""
+
+# ------------------------------------------------------------------------ control
+
+
+class CancelCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="cancel"):
+    request_id: str
+
+
+Message = (
+    GenerateJob | EmbedJob | TokenEvent | FinishEvent | ErrorEvent | EmbeddingEvent | CancelCommand
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_events_decoder = msgspec.msgpack.Decoder(list[Event])
+
+
+def encode(message: Message) -> dict[bytes, bytes]:
+    """Stream-entry fields for ``message``."""
+    return {VERSION_FIELD: b"%d" % PROTOCOL_VERSION, PAYLOAD_FIELD: _encoder.encode(message)}
+
+
+def encode_payload(message: Message) -> bytes:
+    """The payload field alone (the version travels in its own field)."""
+    return _encoder.encode(message)
+
+
+def encode_bytes(message: Message) -> bytes:
+    return b"%d:" % PROTOCOL_VERSION + _encoder.encode(message)
+
+
+def decode(fields: dict[bytes, bytes]) -> Message:
+    version = fields.get(VERSION_FIELD)
+    if version != b"%d" % PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    return _decode_payload(fields.get(PAYLOAD_FIELD, b""))
+
+
+def encode_events(events: list[Event]) -> dict[bytes, bytes]:
+    """Stream-entry fields for several events (workers build the same bytes in Lua)."""
+    return {VERSION_FIELD: b"%d" % PROTOCOL_VERSION, EVENTS_FIELD: _encoder.encode(events)}
+
+
+def decode_events(fields: dict[bytes, bytes]) -> list[Message]:
+    """The messages of a reply-stream entry: a batch of events, or one message."""
+    batch = fields.get(EVENTS_FIELD)
+    if batch is None:
+        return [decode(fields)]
+    version = fields.get(VERSION_FIELD)
+    if version != b"%d" % PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    try:
+        events: list[Message] = list(_events_decoder.decode(batch))
+        return events
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(str(exc)) from exc
+
+
+def decode_bytes(data: bytes) -> Message:
+    version, _, payload = data.partition(b":")
+    if version != b"%d" % PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    return _decode_payload(payload)
+
+
+def _decode_payload(payload: bytes) -> Message:
+    try:
+        message: Message = _decoder.decode(payload)
+        return message
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(str(exc)) from exc

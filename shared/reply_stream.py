@@ -1,0 +1,153 @@
+"""Token return path, gateway side: each gateway process reads its own reply stream.
+
+Workers append events to it through :mod:`workers.journal` (one fenced script
+call per engine step). :class:`ReplyRouter` runs one ``XREAD BLOCK`` loop over
+the stream and routes events into bounded per-request queues; a watchdog ends
+every open request with a clean error when Redis stays unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.protocol import (
+    EmbeddingEvent,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    Message,
+    ProtocolError,
+    TokenEvent,
+    decode_events,
+)
+from shared.redis_conn import MAX_BLOCK_MS, as_text
+
+log = logging.getLogger(__name__)
+
+
+class StreamInterrupted(Exception):
+    """Events for a request stopped for a reason other than the request ending."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ReplyRouter:
+    """Reads this gateway's reply stream and hands each event to its request's queue."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream: str,
+        *,
+        queue_size: int = 65536,
+        keep_history_s: float = 120.0,
+        block_ms: int = 2000,
+        outage_limit_s: float = 6.0,
+    ) -> None:
+        self._redis = redis
+        self.stream = stream
+        self._queue_size = queue_size
+        self._keep_history_ms = int(keep_history_s * 1000)
+        self._routes: dict[str, asyncio.Queue[Event | StreamInterrupted]] = {}
+        self._last_id = "0-0"
+        self._block_ms = min(block_ms, MAX_BLOCK_MS)
+        self._outage_limit_s = outage_limit_s
+        self._last_ok = time.monotonic()
+        self.connected = asyncio.Event()
+
+    def open(self, request_id: str) -> asyncio.Queue[Event | StreamInterrupted]:
+        queue: asyncio.Queue[Event | StreamInterrupted] = asyncio.Queue(self._queue_size)
+        self._routes[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    def open_requests(self) -> int:
+        return len(self._routes)
+
+    async def run(self) -> None:
+        watchdog = asyncio.create_task(self._watchdog(), name="reply-watchdog")
+        try:
+            await self._read_forever()
+        finally:
+            watchdog.cancel()
+
+    async def _watchdog(self) -> None:
+        """End open requests cleanly when Redis has been unreachable too long."""
+        limit = self._block_ms / 1000 + self._outage_limit_s
+        while True:
+            await asyncio.sleep(1.0)
+            silent = time.monotonic() - self._last_ok
+            if silent > limit and self._routes:
+                log.error("no answer from Redis for %.0fs: ending %d open requests",
+                          silent, len(self._routes))
+                self.interrupt_all(f"lost contact with Redis for {silent:.0f}s; retry")
+
+    def interrupt_all(self, reason: str) -> None:
+        routes, self._routes = self._routes, {}
+        for queue in routes.values():
+            queue._queue.clear()  # type: ignore[attr-defined]
+            queue.put_nowait(StreamInterrupted(reason))
+
+    async def _read_forever(self) -> None:
+        last_trim = time.monotonic()
+        backoff = 0.1
+        while True:
+            try:
+                reply: Any = await self._redis.xread(
+                    {self.stream: self._last_id}, count=1024, block=self._block_ms
+                )
+                self._last_ok = time.monotonic()
+                self.connected.set()
+                backoff = 0.1
+            except RedisError as exc:
+                self.connected.clear()
+                log.warning("reply stream read failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _stream, entries in reply or []:
+                for raw_id, fields in entries:
+                    self._last_id = as_text(raw_id)
+                    self._route(fields)
+            if time.monotonic() - last_trim > 10:
+                last_trim = time.monotonic()
+                await self._trim()
+
+    def _route(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            events = decode_events(fields)
+        except ProtocolError as exc:
+            log.error("dropping undecodable reply: %s", exc)
+            return
+        for event in events:
+            self._route_one(event)
+
+    def _route_one(self, event: Message) -> None:
+        if isinstance(event, TokenEvent | FinishEvent | ErrorEvent | EmbeddingEvent):
+            queue = self._routes.get(event.request_id)
+            if queue is None:
+                return  # the request is already closed (client gone): late events are moot
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self._routes.pop(event.request_id, None)
+                queue._queue.clear()  # type: ignore[attr-defined]
+                queue.put_nowait(StreamInterrupted("the client read the stream too slowly"))
+
+    async def _trim(self) -> None:
+        min_ms = int(self._last_id.split("-")[0]) - self._keep_history_ms
+        if min_ms > 0:
+            try:
+                await self._redis.xtrim(self.stream, minid=str(min_ms), approximate=True)
+            except RedisError as exc:
+                log.warning("reply stream trim failed: %s", exc)

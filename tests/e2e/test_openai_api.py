@@ -1,0 +1,218 @@
+"""The official `openai` client against a real gateway and a real vLLM worker."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import Running
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture
+def client(running: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, running: Running) -> None:
+    assert [m.id for m in client.models.list()] == [running.model]
+    assert client.models.retrieve(running.model).id == running.model
+
+
+def test_chat_non_stream(client: openai.OpenAI, running: Running) -> None:
+    result = client.chat.completions.create(
+        model=running.model, messages=MESSAGES, max_tokens=8, temperature=0  # type: ignore[arg-type]
+    )
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert result.usage is not None
+    assert result.usage.completion_tokens == 8
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 8
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, running: Running) -> None:
+    full = client.chat.completions.create(
+        model=running.model, messages=MESSAGES, max_tokens=16, temperature=0  # type: ignore[arg-type]
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=running.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == 16
+
+
+def test_completions_prompt_shapes(client: openai.OpenAI, running: Running) -> None:
+    by_text = client.completions.create(
+        model=running.model, prompt="Once upon a time", max_tokens=6, temperature=0
+    )
+    ids = client.completions.create(
+        model=running.model, prompt=[1, 400, 500, 600], max_tokens=6, temperature=0
+    )
+    many = client.completions.create(
+        model=running.model, prompt=["Once upon a time", "In a galaxy"], max_tokens=6,
+        temperature=0,
+    )
+    assert by_text.choices[0].text
+    assert ids.choices[0].text
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == by_text.choices[0].text
+
+
+def test_completions_stream(client: openai.OpenAI, running: Running) -> None:
+    full = client.completions.create(
+        model=running.model, prompt="The river", max_tokens=10, temperature=0
+    )
+    stream = client.completions.create(
+        model=running.model, prompt="The river", max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
+
+
+def test_n_gives_n_distinct_choices(client: openai.OpenAI, running: Running) -> None:
+    result = client.chat.completions.create(
+        model=running.model, messages=MESSAGES, max_tokens=12, temperature=1.0, n=2, seed=7  # type: ignore[arg-type]
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert result.choices[0].message.content != result.choices[1].message.content
+    assert result.usage is not None
+    assert result.usage.completion_tokens == 24
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, running: Running) -> None:
+    full = client.completions.create(
+        model=running.model, prompt="The river", max_tokens=24, temperature=0
+    )
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    stopped = client.completions.create(
+        model=running.model, prompt="The river", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text
+    assert text.startswith(stopped.choices[0].text)
+
+
+def test_logprobs(client: openai.OpenAI, running: Running) -> None:
+    chat = client.chat.completions.create(
+        model=running.model, messages=MESSAGES, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+        logprobs=True, top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy = top-1
+    text = client.completions.create(
+        model=running.model, prompt="The river", max_tokens=4, temperature=0, logprobs=2
+    )
+    logprobs = text.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs or []) == 4
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_json_schema_output_parses(client: openai.OpenAI, running: Running) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "ok": {"type": "boolean"},
+            "size": {"enum": ["small", "large"]},
+        },
+        "required": ["name", "ok", "size"],
+        "additionalProperties": False,
+    }
+    result = client.chat.completions.create(
+        model=running.model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
+    data = json.loads(result.choices[0].message.content or "")
+    assert set(data) == {"name", "ok", "size"}
+    assert isinstance(data["ok"], bool)
+    assert data["size"] in ("small", "large")
+
+
+def test_unknown_fields_are_ignored(running: Running) -> None:
+    response = httpx.post(
+        f"{running.base_url}/v1/chat/completions",
+        json={"model": running.model, "messages": MESSAGES, "max_tokens": 2,
+              "langchain_extra": {"x": 1}, "parallel_tool_calls": False},
+        timeout=60,
+    )
+    assert response.status_code == 200
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+    assert caught.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_context_overflow_is_400_naming_max_tokens(client: openai.OpenAI, running: Running) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=running.model, prompt="hi", max_tokens=100_000)
+    assert caught.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"stop": ["x"] * 33}, None),
+        ({"stream_options": {"include_usage": True}}, None),
+    ],
+)
+def test_validation_errors_are_openai_shaped(
+    running: Running, body: dict[str, object], param: str | None
+) -> None:
+    response = httpx.post(
+        f"{running.base_url}/v1/chat/completions",
+        json={"model": running.model, "messages": MESSAGES, **body},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_stream_has_sse_ids(running: Running) -> None:
+    with httpx.stream(
+        "POST",
+        f"{running.base_url}/v1/completions",
+        json={"model": running.model, "prompt": "a", "max_tokens": 3, "stream": True},
+        timeout=60,
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    assert ids == sorted(ids) and ids[0] == 0
+    assert lines[-1] == "data: [DONE]"

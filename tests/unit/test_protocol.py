@@ -1,0 +1,352 @@
+"""The internal wire protocol: every message survives both encodings; bad input is refused."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+
+import msgspec
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from shared import protocol
+from shared.protocol import (
+    PAYLOAD_FIELD,
+    PROTOCOL_VERSION,
+    VERSION_FIELD,
+    CancelCommand,
+    ErrorEvent,
+    FinishEvent,
+    GenerateJob,
+    Message,
+    ProtocolError,
+    SamplingOptions,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    decode,
+    decode_bytes,
+    decode_events,
+    encode,
+    encode_bytes,
+    encode_events,
+)
+
+i64 = st.integers(-(2**63), 2**63 - 1)
+small = st.integers(0, 2**31 - 1)
+floats = st.floats(allow_nan=False)
+text = st.text(max_size=40)
+token_ids = st.lists(small, max_size=20)
+
+sampling_options = st.builds(
+    SamplingOptions,
+    max_tokens=small,
+    temperature=floats,
+    top_p=floats,
+    top_k=i64,
+    min_p=floats,
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    repetition_penalty=floats,
+    seed=st.none() | i64,
+    stop=st.lists(text, max_size=4).map(tuple),
+    stop_token_ids=st.lists(small, max_size=4).map(tuple),
+    ignore_eos=st.booleans(),
+    min_tokens=small,
+    logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
+    json_schema=st.none() | text,
+    json_object=st.booleans(),
+    skip_special_tokens=st.booleans(),
+)
+
+generate_jobs = st.builds(
+    GenerateJob,
+    request_id=text,
+    index=small,
+    model=text,
+    prompt_token_ids=token_ids,
+    sampling=sampling_options,
+    reply_to=text,
+    deadline_unix=floats,
+    created_unix=floats,
+    handoff=st.none()
+    | st.dictionaries(
+        text,
+        st.none() | st.booleans() | i64 | text | st.lists(small, max_size=3),
+        max_size=4,
+    ),
+)
+
+top_logprobs = st.builds(TopLogprob, token_id=small, token=text, logprob=floats)
+token_logprobs = st.builds(
+    TokenLogprob,
+    token_id=small,
+    token=text,
+    logprob=floats,
+    top=st.lists(top_logprobs, max_size=5),
+)
+
+token_events = st.builds(
+    TokenEvent,
+    request_id=text,
+    index=small,
+    seq=small,
+    attempt=small,
+    token_ids=token_ids,
+    text=text,
+    logprobs=st.none() | st.lists(token_logprobs, max_size=4),
+)
+finish_events = st.builds(
+    FinishEvent,
+    request_id=text,
+    index=small,
+    seq=small,
+    attempt=small,
+    finish_reason=st.sampled_from(["stop", "length", "abort"]) | text,
+    prompt_tokens=small,
+    completion_tokens=small,
+)
+error_events = st.builds(
+    ErrorEvent,
+    request_id=text,
+    index=small,
+    seq=small,
+    attempt=small,
+    status=st.integers(100, 599),
+    type=text,
+    code=st.none() | text,
+    message=text,
+    param=st.none() | text,
+)
+cancel_commands = st.builds(CancelCommand, request_id=text)
+embed_jobs = st.builds(
+    protocol.EmbedJob,
+    request_id=text,
+    index=small,
+    model=text,
+    prompt_token_ids=token_ids,
+    reply_to=text,
+    deadline_unix=floats,
+    created_unix=floats,
+    dimensions=st.none() | small,
+)
+embedding_events = st.builds(
+    protocol.EmbeddingEvent, text, small, small, small, st.binary(max_size=64), small
+)
+
+STRATEGIES: dict[type, st.SearchStrategy[typing.Any]] = {
+    GenerateJob: generate_jobs,
+    TokenEvent: token_events,
+    FinishEvent: finish_events,
+    ErrorEvent: error_events,
+    CancelCommand: cancel_commands,
+    protocol.EmbedJob: embed_jobs,
+    protocol.EmbeddingEvent: embedding_events,
+}
+messages = st.one_of(*STRATEGIES.values())
+
+
+def test_every_message_type_has_a_strategy() -> None:
+    """A new message type must be added to these round-trip tests."""
+    assert set(typing.get_args(Message)) == set(STRATEGIES)
+
+
+@settings(max_examples=100)
+@given(messages)
+def test_stream_fields_round_trip(message: Message) -> None:
+    fields = encode(message)
+    assert set(fields) == {VERSION_FIELD, PAYLOAD_FIELD}
+    assert fields[VERSION_FIELD] == str(PROTOCOL_VERSION).encode()
+    decoded = decode(fields)
+    assert decoded == message
+    assert type(decoded) is type(message)
+
+
+@settings(max_examples=100)
+@given(messages)
+def test_bytes_round_trip(message: Message) -> None:
+    data = encode_bytes(message)
+    assert data.startswith(b"%d:" % PROTOCOL_VERSION)
+    decoded = decode_bytes(data)
+    assert decoded == message
+    assert type(decoded) is type(message)
+
+
+@settings(max_examples=50)
+@given(messages)
+def test_payload_helper_matches_stream_encoding(message: Message) -> None:
+    encode_payload = getattr(protocol, "encode_payload", None)
+    if encode_payload is None:
+        pytest.skip("shared.protocol has no encode_payload")
+    assert encode_payload(message) == encode(message)[PAYLOAD_FIELD]
+
+
+def test_sampling_defaults_are_omitted_and_restored() -> None:
+    job = GenerateJob(
+        request_id="r",
+        index=0,
+        model="m",
+        prompt_token_ids=[1],
+        sampling=SamplingOptions(max_tokens=3),
+        reply_to="s",
+        deadline_unix=1.0,
+        created_unix=0.0,
+    )
+    decoded = decode(encode(job))
+    assert isinstance(decoded, GenerateJob)
+    assert decoded.sampling == SamplingOptions(max_tokens=3)
+    assert decoded.sampling.temperature == 1.0
+    assert decoded.sampling.stop == ()
+    assert decoded.handoff is None
+    assert decoded.job_id == "r/0"
+
+
+@given(message=messages, version=st.integers(0, 10_000).filter(lambda v: v != PROTOCOL_VERSION))
+def test_wrong_version_is_refused(message: Message, version: int) -> None:
+    fields = encode(message)
+    fields[VERSION_FIELD] = str(version).encode()
+    with pytest.raises(ProtocolError, match="version"):
+        decode(fields)
+    payload = encode_bytes(message).partition(b":")[2]
+    with pytest.raises(ProtocolError, match="version"):
+        decode_bytes(b"%d:" % version + payload)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {PAYLOAD_FIELD: encode(CancelCommand("r"))[PAYLOAD_FIELD]},  # no version
+        {VERSION_FIELD: b"1"},  # no payload
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: b""},
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: b"\xc1"},  # never-used msgpack byte
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["nope", "r"])},  # bad tag
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["cancel"])},  # too short
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode({"a": 1})},
+        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["tok", "r", "x"])},
+        {VERSION_FIELD: b" 1", PAYLOAD_FIELD: encode(CancelCommand("r"))[PAYLOAD_FIELD]},
+    ],
+)
+def test_malformed_fields_are_refused(fields: dict[bytes, bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode(fields)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"1", b"1:", b":", b"garbage", b"1:\xc1", b"v1:" + encode_bytes(CancelCommand("r"))],
+)
+def test_malformed_bytes_are_refused(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_bytes(data)
+
+
+def test_non_message_struct_is_refused() -> None:
+    payload = msgspec.msgpack.encode(TopLogprob(1, "a", -0.5))
+    with pytest.raises(ProtocolError):
+        decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: payload})
+
+
+# msgpack for ["<10-byte string with an invalid UTF-8 byte>"]
+INVALID_UTF8 = b"\x91\xaa" + b"\x00" * 9 + b"\x80"
+
+
+@pytest.mark.parametrize("where", ["fields", "bytes"])
+def test_invalid_utf8_is_a_protocol_error(where: str) -> None:
+    """msgspec raises UnicodeDecodeError here; it must not escape ``except ProtocolError``."""
+    with pytest.raises(ProtocolError):
+        if where == "fields":
+            decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: INVALID_UTF8})
+        else:
+            decode_bytes(b"1:" + INVALID_UTF8)
+
+
+@settings(max_examples=100)
+@example(garbage=INVALID_UTF8)
+@given(st.binary(max_size=64))
+def test_garbage_payload_is_a_protocol_error_or_a_message(garbage: bytes) -> None:
+    """Whatever arrives on a stream, decoding raises ProtocolError and nothing else."""
+    attempts: tuple[Callable[[], Message], ...] = (
+        lambda: decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: garbage}),
+        lambda: decode_bytes(b"1:" + garbage),
+        lambda: decode_bytes(garbage),
+    )
+    for attempt in attempts:
+        try:
+            result = attempt()
+        except ProtocolError:
+            continue
+        assert isinstance(result, typing.get_args(Message))
+
+
+_SAMPLE_PAYLOAD = protocol.encode_payload(
+    TokenEvent("req-é", 0, 3, 1, [7, 8], "héllo wörld", [TokenLogprob(7, "hé", -0.5, [])])
+)
+
+
+@settings(max_examples=200)
+@given(
+    position=st.integers(0, len(_SAMPLE_PAYLOAD) - 1),
+    value=st.integers(0, 255),
+    cut=st.integers(1, len(_SAMPLE_PAYLOAD)),
+)
+def test_corrupted_real_payload_is_a_protocol_error_or_a_message(
+    position: int, value: int, cut: int
+) -> None:
+    """One flipped byte (or a truncation) of a real event: ProtocolError and nothing else.
+
+    Unlike random bytes, this reaches the string decoder (invalid UTF-8 in ``text``).
+    """
+    mutated = bytearray(_SAMPLE_PAYLOAD)
+    mutated[position] = value
+    for payload in (bytes(mutated), bytes(mutated[:cut])):
+        try:
+            result = decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: payload})
+        except ProtocolError:
+            continue
+        assert isinstance(result, typing.get_args(Message))
+
+
+def test_protocol_error_is_a_value_error() -> None:
+    assert issubclass(ProtocolError, ValueError)
+
+
+def test_a_batch_of_events_round_trips_in_order() -> None:
+    events: list[protocol.Event] = [
+        TokenEvent("r", 0, 0, 0, [5], "a"),
+        TokenEvent("r", 1, 0, 0, [6], "b"),
+        FinishEvent("r", 0, 1, 0, "stop", 3, 1),
+    ]
+    assert decode_events(encode_events(events)) == events
+
+
+def test_decode_events_reads_a_single_message_entry_too() -> None:
+    event = TokenEvent("r", 0, 0, 0, [5], "a")
+    assert decode_events(encode(event)) == [event]
+
+
+def test_a_batch_from_another_protocol_version_is_refused() -> None:
+    fields = encode_events([TokenEvent("r", 0, 0, 0, [5], "a")])
+    fields[VERSION_FIELD] = b"999"
+    with pytest.raises(ProtocolError, match="version"):
+        decode_events(fields)
+
+
+def test_a_truncated_batch_is_refused() -> None:
+    fields = encode_events([TokenEvent("r", 0, 0, 0, [5], "a")])
+    fields[protocol.EVENTS_FIELD] = fields[protocol.EVENTS_FIELD][:-2]
+    with pytest.raises(ProtocolError):
+        decode_events(fields)
+
+
+def test_embedding_messages_round_trip() -> None:
+    job = protocol.EmbedJob(
+        request_id="e", index=2, model="m", prompt_token_ids=[101, 102], reply_to="r",
+        deadline_unix=1.0, created_unix=0.5, dimensions=64,
+    )
+    event = protocol.EmbeddingEvent("e", 2, 0, 0, b"\x00\x00\x80?", 2)
+    assert decode(encode(job)) == job
+    assert decode_events(encode_events([event])) == [event]
+    assert job.job_id == "e/2"

@@ -1,0 +1,47 @@
+"""`conveyor up`'s supervisor: a dead worker leaves the registry at once and is restarted."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import redis
+
+from conveyor.supervisor import Child, Supervisor
+from shared import keys
+from shared.registry import forget_dead_process
+from tests.conftest import REAL_REDIS_URL
+
+
+def test_a_child_that_exits_is_reported_and_restarted() -> None:
+    exited: list[int] = []
+    supervisor = Supervisor(grace_s=5)
+    child = Child("quick", [sys.executable, "-c", "pass"], {}, on_exit=exited.append)
+    supervisor.add(child)
+    first_pid = child.process.pid if child.process else -1
+    child.process.wait(10)  # type: ignore[union-attr]
+    supervisor._check(child)
+    assert exited == [first_pid]
+    time.sleep(1.1)  # first backoff: 1 s
+    supervisor._check(child)
+    assert child.process is not None and child.process.pid != first_pid
+    supervisor.stop_all()
+
+
+@pytest.mark.redis
+def test_forget_dead_process_removes_only_that_process() -> None:
+    client = redis.Redis.from_url(REAL_REDIS_URL)
+    client.flushdb()
+    try:
+        for worker_id in ("aggregated-box-4242-abc123", "decode-box-4242-def456",
+                          "aggregated-box-14242-aaaaaa", "aggregated-other-4242-bbbbbb"):
+            client.set(keys.worker_heartbeat(worker_id), b"{}", px=60_000)
+        gone = forget_dead_process(REAL_REDIS_URL, 4242, host="box")
+        assert sorted(gone) == ["aggregated-box-4242-abc123", "decode-box-4242-def456"]
+        left = sorted(k.decode() for k in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
+        assert left == [keys.worker_heartbeat("aggregated-box-14242-aaaaaa"),
+                        keys.worker_heartbeat("aggregated-other-4242-bbbbbb")]
+    finally:
+        client.flushdb()
+        client.close()

@@ -1,0 +1,329 @@
+"""vLLM adapter: the only module that imports vllm.
+
+Wraps ``AsyncLLM`` (continuous batching across every concurrent ``generate``)
+and translates vLLM's exceptions into :mod:`shared.errors`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from shared.errors import EngineDead, EngineError, InvalidRequest
+from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
+from shared.settings import Role, Settings
+from workers.engines.base import EngineInfo, Handoff, PromptTokenStats, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(self, settings: Settings, model_path: str, served_name: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kv_transfer = _kv_transfer_config(settings)
+        pooling = settings.role is Role.EMBED
+        args = AsyncEngineArgs(
+            model=model_path,
+            runner="pooling" if pooling else "auto",
+            served_model_name=served_name,
+            dtype=settings.dtype,  # type: ignore[arg-type]
+            max_model_len=settings.max_model_len,  # type: ignore[arg-type]
+            enforce_eager=True,
+            max_num_seqs=settings.worker_max_slots,
+            enable_prefix_caching=not pooling,  # encoder-only models keep no KV cache
+            kv_transfer_config=kv_transfer,
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=not settings.json_any_whitespace
+            ),
+            # Per-step stats cost CPU beside the engine on every token; only prefill/decode
+            # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
+            disable_log_stats=kv_transfer is None,
+        )
+        self.prompt_stats = PromptTokenStats()
+        self._llm = AsyncLLM.from_engine_args(
+            args,
+            stat_loggers=None if kv_transfer is None else [_prompt_stats_logger(self.prompt_stats)],
+        )
+        if kv_transfer is not None and settings.pin_kv_engines:
+            pin_process_tree(engine_cores(settings))
+        config = self._llm.model_config
+        self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
+
+    async def generate(
+        self,
+        job_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        handoff: Handoff | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = _sampling_params(sampling)
+        if handoff is not None:
+            params.extra_args = {"kv_transfer_params": handoff}
+        try:
+            stream = self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
+            )
+            async for output in stream:
+                completion = output.outputs[0]
+                yield StepOutput(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    logprobs=_logprobs(
+                        completion.logprobs, completion.token_ids, sampling.logprobs
+                    ),
+                    finish_reason=completion.finish_reason,
+                    prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
+                )
+        except EngineDeadError as exc:
+            raise EngineDead(f"the vLLM engine died: {exc}") from exc
+        except (VLLMValidationError, ValueError) as exc:
+            raise InvalidRequest(str(exc)) from exc
+        except EngineGenerateError as exc:
+            raise EngineError(f"generation failed: {exc}") from exc
+
+    def plan_handoff(self, job_id: str) -> Handoff | None:
+        return None  # vLLM's kv_transfer_params exist only once prefill has run
+
+    async def prefill(
+        self,
+        job_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        handoff: Handoff | None = None,
+    ) -> Handoff:
+        """Run the prompt with max_tokens=1 and keep its KV for a remote decode."""
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = _sampling_params(msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0))
+        params.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
+        result: Handoff | None = None
+        try:
+            stream = self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
+            )
+            async for output in stream:
+                if output.kv_transfer_params is not None:
+                    result = dict(output.kv_transfer_params)
+        except EngineDeadError as exc:
+            raise EngineDead(f"the vLLM engine died: {exc}") from exc
+        except EngineGenerateError as exc:
+            raise EngineError(f"prefill failed: {exc}") from exc
+        if result is None:
+            raise EngineError("prefill returned no kv_transfer_params (is a KV connector set?)")
+        return result
+
+    async def embed(
+        self, job_id: str, prompt_token_ids: list[int], *, dimensions: int | None = None
+    ) -> list[float]:
+        """The pooling runner's embedding (the model's own pooler: MiniLM means, normalizes)."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = PoolingParams(task="embed", dimensions=dimensions)
+        vector: list[float] | None = None
+        try:
+            stream = self._llm.encode(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
+                                      job_id)
+            async for output in stream:
+                if output.finished:
+                    vector = [float(x) for x in output.outputs.data.tolist()]
+        except EngineDeadError as exc:
+            raise EngineDead(f"the vLLM engine died: {exc}") from exc
+        except (VLLMValidationError, ValueError) as exc:
+            raise InvalidRequest(str(exc), param="dimensions") from exc
+        except EngineGenerateError as exc:
+            raise EngineError(f"embedding failed: {exc}") from exc
+        if vector is None:
+            raise EngineError("the engine returned no embedding")
+        return vector
+
+    async def abort(self, job_id: str) -> None:
+        await self._llm.abort(job_id)
+
+    async def check_health(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            await self._llm.check_health()
+        except EngineDeadError as exc:
+            raise EngineDead("the vLLM engine died") from exc
+
+    def running(self) -> int:
+        return int(self._llm.get_num_unfinished_requests())
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
+    """A vLLM stat logger that counts where prompt tokens came from."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PromptStatsLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                   **kwargs: Any) -> None:
+            prompt = getattr(iteration_stats, "prompt_token_stats", None)
+            if prompt is not None and prompt.total:
+                stats.computed += int(prompt.computed)
+                stats.from_local_cache += int(prompt.local_cache_hit)
+                stats.transferred += int(prompt.external_kv_transfer)
+            transfers = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            durations = transfers.get("transfer_duration") if isinstance(transfers, dict) else None
+            if durations:
+                stats.kv_transfers += len(durations)
+                stats.kv_transfer_s += float(sum(durations))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PromptStatsLogger
+
+
+def _kv_transfer_config(settings: Settings) -> Any:
+    """Prefill and decode engines share KV through a connector (NIXL over UCX on CPU)."""
+    if settings.role not in (Role.PREFILL, Role.DECODE):
+        return None
+    from vllm.config import KVTransferConfig
+
+    _set_nixl_environment(settings)
+    producer = settings.role is Role.PREFILL
+    return KVTransferConfig(
+        kv_connector=settings.kv_connector,
+        kv_role="kv_producer" if producer else "kv_consumer",
+        kv_buffer_device="cpu",
+        kv_connector_extra_config={"backends": ["UCX"]},
+        # decode recomputes the prompt when the prefill that holds its KV is gone
+        kv_load_failure_policy="fail" if producer else "recompute",
+    )
+
+
+def _set_nixl_environment(settings: Settings) -> None:
+    port = settings.kv_side_channel_port or _free_port()
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine_cores(settings)))
+
+
+def engine_cores(settings: Settings) -> list[int]:
+    """The cores a prefill/decode engine keeps to: prefill the lower half, decode the upper.
+
+    NIXL moves the model thread onto the last core and its UCX progress thread spins;
+    measured here, an unpinned pair made each engine step ~100x slower and the first
+    decode wait ~30 s for the prefill's KV lease to expire.
+    """
+    if settings.cpu_omp_threads_bind:
+        return _parse_cores(settings.cpu_omp_threads_bind)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    half = max(1, len(cores) // 2)
+    chosen = cores[:half] if settings.role is Role.PREFILL else cores[half:] or cores[-1:]
+    return chosen
+
+
+def _parse_cores(spec: str) -> list[int]:
+    cores: list[int] = []
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def pin_process_tree(cores: list[int]) -> None:
+    """Pin every thread of this process and its children (the engine core) to ``cores``."""
+    import psutil
+
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, set(cores))
+        except (psutil.Error, OSError) as exc:
+            log.warning("could not pin %s to cores %s: %s", process.pid, cores, exc)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _sampling_params(options: SamplingOptions) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if options.json_schema is not None:
+        structured = StructuredOutputsParams(json=json.loads(options.json_schema))
+    elif options.json_object:
+        structured = StructuredOutputsParams(json_object=True)
+    return SamplingParams(
+        n=1,
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        seed=options.seed,
+        stop=list(options.stop) or None,
+        stop_token_ids=list(options.stop_token_ids) or None,
+        ignore_eos=options.ignore_eos,
+        min_tokens=options.min_tokens,
+        logprobs=options.logprobs,
+        skip_special_tokens=options.skip_special_tokens,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token the sampler ruled out) is not JSON: clamp it as vLLM's server does."""
+    return max(float(logprob), -9999.0)
+
+
+def _logprobs(raw: Any, token_ids: Any, k: int | None) -> list[TokenLogprob] | None:
+    if raw is None or k is None:
+        return None
+    result: list[TokenLogprob] = []
+    for token_id, alternatives in zip(token_ids, raw, strict=False):
+        sampled = alternatives[token_id]
+        top = sorted(
+            (
+                (lp.rank, TopLogprob(tid, lp.decoded_token or "", _finite(lp.logprob)))
+                for tid, lp in alternatives.items()
+                if lp.rank is not None and lp.rank <= k
+            ),
+            key=lambda pair: pair[0],
+        )
+        result.append(
+            TokenLogprob(
+                token_id=int(token_id),
+                token=sampled.decoded_token or "",
+                logprob=_finite(sampled.logprob),
+                top=[item for _, item in top],
+            )
+        )
+    return result

@@ -1,0 +1,109 @@
+"""Decide, at dequeue, whether a job runs: the checks between a delivery and the engine.
+
+In order: the client is gone (cancel flag, or its gateway's liveness key
+expired) -> drop; the deadline passed -> 504; delivered too often -> dead
+letter + 500; it would be a migration that is off, over its limit or not safe
+(guided decoding past its first token) -> clean error; otherwise run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.errors import ConveyorError, DeadlineExceeded, EngineError
+from shared.protocol import GenerateJob, Job, encode
+from workers.gateway_watch import GatewayWatch
+from workers.journal import RunLease
+
+
+class Verdict(Enum):
+    RUN = "run"
+    DROP = "drop"
+    FAIL = "fail"
+
+
+class PoisonJob(EngineError):
+    code = "job_failed_repeatedly"
+
+
+class MigrationRefused(EngineError):
+    code = "migration_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class IntakePolicy:
+    max_deliveries: int
+    migration_limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    reason: str
+    error: ConveyorError | None = None
+
+
+async def client_gone(
+    redis: aioredis.Redis, job: Job, gateways: GatewayWatch
+) -> str | None:
+    gateway = keys.gateway_of_reply_stream(job.reply_to)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.exists(keys.cancel_flag(job.request_id))
+        pipe.exists(keys.gateway_heartbeat(gateway))
+        cancelled, gateway_alive = await pipe.execute()
+    if cancelled:
+        return "client disconnected"
+    if gateways.observe({gateway: bool(gateway_alive)}):
+        return f"its gateway {gateway} is gone"
+    return None
+
+
+async def decide(
+    redis: aioredis.Redis, lease: RunLease, policy: IntakePolicy, gone: str | None
+) -> Decision:
+    """What to do with a leased job; ``gone`` is :func:`client_gone`'s answer."""
+    job = lease.delivery.job
+    if gone is not None:
+        return Decision(Verdict.DROP, gone)
+    if time.time() > job.deadline_unix:
+        return Decision(
+            Verdict.FAIL,
+            "deadline passed while queued",
+            DeadlineExceeded("the request's deadline passed while it was queued"),
+        )
+    if lease.attempt >= policy.max_deliveries:
+        error = PoisonJob(
+            f"the request failed on {lease.attempt} workers in a row and was set aside "
+            "(dead-letter queue); it will not be retried"
+        )
+        await dead_letter(redis, lease, error.message)
+        return Decision(Verdict.FAIL, "dead-lettered", error)
+    if lease.emitted:
+        refusal = _migration_refusal(job, lease, policy)
+        if refusal is not None:
+            return Decision(Verdict.FAIL, refusal, MigrationRefused(refusal))
+    return Decision(Verdict.RUN, "migrated" if lease.emitted else "new")
+
+
+def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str | None:
+    if policy.migration_limit <= 0:
+        return "its worker stopped mid-stream and migration is off (CONVEYOR_MIGRATION_LIMIT=0)"
+    if lease.attempt > policy.migration_limit:
+        return f"its worker stopped mid-stream {lease.attempt} times (migration limit reached)"
+    if not isinstance(job, GenerateJob):
+        return None
+    if job.sampling.json_schema is not None or job.sampling.json_object:
+        return "its worker stopped mid-stream and guided decoding cannot resume elsewhere"
+    return None
+
+
+async def dead_letter(redis: aioredis.Redis, lease: RunLease, reason: str) -> None:
+    fields = encode(lease.delivery.job)
+    fields[b"reason"] = reason.encode()
+    fields[b"entry"] = lease.delivery.entry_id.encode()
+    await redis.xadd(keys.dead_letter_stream(lease.delivery.stream), fields)  # type: ignore[arg-type]

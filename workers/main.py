@@ -1,0 +1,114 @@
+"""`conveyor worker`: build the engine for a role and run the worker loop until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+
+import uvloop
+
+from shared import keys
+from shared.model_source import resolve_model_path
+from shared.redis_conn import connect
+from shared.settings import EngineKind, Role, Settings
+from workers.engines.base import Engine
+from workers.runtime import WorkerPolicy, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+EXIT_CONFIG_ERROR = 2
+"""Exit code for 'cannot start as configured' (conveyor up does not restart it)."""
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def model_of(settings: Settings) -> tuple[str, str]:
+    """(model folder, served name) this worker loads: the embedding model for --role embed."""
+    if settings.role is Role.EMBED:
+        path, name = settings.embed_model_path(), settings.embed_served_name()
+        if path is None or name is None:
+            raise ValueError("--role embed needs --embed-model (a folder, or `default`)")
+        return path, name
+    return resolve_model_path(settings), settings.served_name()
+
+
+async def serve(settings: Settings) -> int:
+    try:
+        model_path, served_name = model_of(settings)
+    except (ValueError, ImportError) as exc:
+        log.error("worker has no model to load: %s", exc)
+        return EXIT_CONFIG_ERROR
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # A signal during the (blocking) engine load is handled right after it, so the
+        # engine is shut down properly instead of being orphaned.
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        engine = build_engine(settings, model_path, served_name)
+    except Exception as exc:
+        log.error("worker could not load model %s: %s", model_path, _one_line(exc))
+        return EXIT_CONFIG_ERROR
+    await asyncio.sleep(0)
+    if stop_requested.is_set():
+        engine.shutdown()
+        return 0
+    redis = connect(settings.redis_url)
+    runtime = WorkerRuntime(
+        worker_id=new_worker_id(settings.role.value),
+        role=settings.role.value,
+        streams=[keys.job_stream(served_name, settings.role.value)],
+        engine=engine,
+        redis=redis,
+        policy=WorkerPolicy(
+            max_slots=settings.worker_max_slots,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+            shutdown_grace_s=settings.shutdown_grace_s,
+            max_deliveries=settings.max_deliveries,
+            migration_limit=settings.migration_limit,
+            canary_idle_s=settings.canary_idle_s,
+            gateway_grace_s=settings.gateway_liveness_ttl_s,
+        ),
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runtime.stop)
+    try:
+        await runtime.run()
+    finally:
+        engine.shutdown()
+        await redis.aclose()
+    return 1 if runtime.engine_dead or runtime.journal_failed else 0
+
+
+def build_engine(settings: Settings, model_path: str, served_name: str) -> Engine:
+    if settings.engine is EngineKind.SGLANG:
+        from workers.engines.sglang_engine import SglangEngine
+
+        return SglangEngine(settings, model_path, served_name)
+    from workers.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(settings, model_path, served_name)
+
+
+def run_worker(settings: Settings) -> int:
+    # uvloop, as vLLM's own server runs AsyncLLM: less CPU per token beside the engine.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(settings))
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines()]
+    useful = [line for line in lines if line and not line.startswith("For further information")]
+    return f"{type(exc).__name__}: {' | '.join(useful)[:500]}"
+
+
+if __name__ == "__main__":
+    sys.exit(run_worker(Settings()))

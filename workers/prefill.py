@@ -1,0 +1,66 @@
+"""The prefill role: build the prompt's KV cache and hand the job on to a decode worker.
+
+vLLM: prefill first (max_tokens=1, do_remote_decode), then queue the decode job
+carrying the returned ``kv_transfer_params`` and ack this one, in one fenced
+step. SGLang: the handoff (bootstrap room) is known up front, so the decode job
+is queued first and starts at once, then prefill runs into that room.
+The prefill's own sampled token is never shown to the client: decode produces
+every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from shared import keys
+from shared.errors import ConveyorError, EngineDead
+from shared.protocol import GenerateJob
+from workers.engines.base import Engine
+from workers.journal import RunJournal, RunLease
+from workers.sequence import generate_job
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRun:
+    def __init__(self, lease: RunLease, engine: Engine, journal: RunJournal) -> None:
+        self.lease = lease
+        self.job: GenerateJob = generate_job(lease)
+        self._engine = engine
+        self._journal = journal
+
+    def decode_stream(self) -> str:
+        return keys.job_stream(self.job.model, "decode")
+
+    async def run(self) -> None:
+        job = self.job
+        started = time.monotonic()
+        handoff = self._engine.plan_handoff(job.job_id)
+        if handoff is not None:
+            forwarded = msgspec.structs.replace(job, handoff=handoff)
+            if not await self._journal.forward(self.lease, self.decode_stream(), forwarded,
+                                               ack=False):
+                return
+        try:
+            result = await self._engine.prefill(
+                job.job_id, job.prompt_token_ids, job.sampling, handoff=handoff
+            )
+        except EngineDead:
+            raise
+        except ConveyorError as exc:
+            log.warning("prefill of %s failed: %s", job.job_id, exc)
+            self.fail(exc)
+            return
+        if handoff is None:
+            forwarded = msgspec.structs.replace(job, handoff=result)
+            await self._journal.forward(self.lease, self.decode_stream(), forwarded, ack=True)
+        else:
+            await self._journal.forward(self.lease, "", job, ack=True)
+        log.info("job %s prefilled (%d prompt tokens) in %.3fs, handed to decode",
+                 job.job_id, len(job.prompt_token_ids), time.monotonic() - started)
+
+    def fail(self, exc: ConveyorError) -> None:
+        self._journal.fail(self.lease, exc)

@@ -1,0 +1,125 @@
+"""Run one job on the engine and journal its events: the per-job half of a worker.
+
+A job that an earlier run already started (the worker died, was fenced out or
+handed it back) continues from the tokens that run emitted: they are appended
+to the prompt and taken off ``max_tokens``, and seq numbering carries on, so
+the client sees every token exactly once (Dynamo's migration semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from shared.errors import ConveyorError, DeadlineExceeded, EngineDead, EngineError
+from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
+from workers.engines.base import Engine
+from workers.journal import RunJournal, RunLease
+
+log = logging.getLogger(__name__)
+
+
+class NotResumable(EngineError):
+    code = "migration_failed"
+
+
+def generate_job(lease: RunLease) -> GenerateJob:
+    job = lease.delivery.job
+    if not isinstance(job, GenerateJob):
+        raise TypeError(f"{job.job_id} is not a generation job")
+    return job
+
+
+def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], SamplingOptions]:
+    """Prompt and sampling that continue ``job`` after ``emitted`` tokens."""
+    if not emitted:
+        return job.prompt_token_ids, job.sampling
+    sampling = msgspec.structs.replace(
+        job.sampling,
+        max_tokens=job.sampling.max_tokens - len(emitted),
+        min_tokens=max(0, job.sampling.min_tokens - len(emitted)),
+    )
+    return job.prompt_token_ids + emitted, sampling
+
+
+class SequenceRun:
+    """Drives ``engine.generate`` for one leased job; numbers its events by ``seq``."""
+
+    def __init__(self, lease: RunLease, engine: Engine, journal: RunJournal) -> None:
+        self.lease = lease
+        self.job: GenerateJob = generate_job(lease)
+        self._engine = engine
+        self._journal = journal
+        self._completion_tokens = len(lease.emitted)
+
+    async def run(self) -> None:
+        job = self.job
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, job.deadline_unix - time.time())):
+                finish_reason, prompt_tokens = await self._generate()
+        except EngineDead:
+            raise  # the runtime hands the job back; another worker continues it
+        except TimeoutError:
+            self.fail(DeadlineExceeded("the request's deadline passed while generating"))
+            return
+        except ConveyorError as exc:
+            log.warning("job %s failed: %s", job.job_id, exc)
+            self.fail(exc)
+            return
+        if finish_reason == "abort":
+            log.info("job %s aborted after %d tokens", job.job_id, self._completion_tokens)
+            self._journal.finish(self.lease)
+            return
+        self._journal.finish(
+            self.lease,
+            FinishEvent(
+                job.request_id,
+                job.index,
+                self.lease.take_seq(),
+                self.lease.attempt,
+                finish_reason,
+                prompt_tokens,
+                self._completion_tokens,
+            ),
+        )
+        log.info(
+            "job %s finished (%s) %d tokens in %.3fs (attempt %d)",
+            job.job_id,
+            finish_reason,
+            self._completion_tokens,
+            time.monotonic() - started,
+            self.lease.attempt,
+        )
+
+    def fail(self, exc: ConveyorError) -> None:
+        """End the job with an error event the client sees, and ack it."""
+        self._journal.fail(self.lease, exc)
+
+    async def _generate(self) -> tuple[str, int]:
+        job = self.job
+        prompt, sampling = resume_point(job, self.lease.emitted)
+        if sampling.max_tokens <= 0:
+            return "length", len(job.prompt_token_ids)
+        # A fresh decode fetches the prefilled KV; a resumed one recomputes its prompt.
+        handoff = job.handoff if not self.lease.emitted else None
+        stream = self._engine.generate(job.job_id, prompt, sampling, handoff=handoff)
+        async for step in stream:
+            if step.token_ids or step.text:
+                self._completion_tokens += len(step.token_ids)
+                event = TokenEvent(
+                    job.request_id,
+                    job.index,
+                    self.lease.take_seq(),
+                    self.lease.attempt,
+                    step.token_ids,
+                    step.text,
+                    step.logprobs,
+                )
+                self._journal.publish(self.lease, event, step.token_ids)
+            if step.finish_reason is not None:
+                return step.finish_reason, len(job.prompt_token_ids)
+        return "abort", len(job.prompt_token_ids)
