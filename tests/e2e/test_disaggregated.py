@@ -141,7 +141,6 @@ def test_stream_through_prefill_and_decode(pd: Disaggregated, running: Running) 
 
 def _decode_stats(running: Running) -> tuple[int, int]:
     import json
-    import time
 
     import redis
 
@@ -149,7 +148,6 @@ def _decode_stats(running: Running) -> tuple[int, int]:
 
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
-        time.sleep(2.5)  # one heartbeat
         for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
             value = client.get(key)
             worker = json.loads(value) if value else {}
@@ -162,13 +160,37 @@ def _decode_stats(running: Running) -> tuple[int, int]:
     raise AssertionError("no decode worker registered")
 
 
+def _decode_stats_after(running: Running, before: tuple[int, int]) -> tuple[int, int]:
+    """The decode worker's counters once its heartbeat has carried the last request's."""
+    deadline = time.monotonic() + 15
+    while True:
+        time.sleep(1.0)
+        after = _decode_stats(running)
+        if after != before or time.monotonic() > deadline:
+            return after
+
+
+def _transfer_log(pd: Disaggregated) -> str:
+    lines = pd.decode.log_path.read_text(errors="replace").splitlines()
+    wanted = ("nixl", "transfer", "recompute", "fail")
+    return "\n".join(line for line in lines if any(w in line.lower() for w in wanted))[-3000:]
+
+
 def test_decode_engine_never_computed_the_prompt(pd: Disaggregated, running: Running) -> None:
-    computed_before, transferred_before = _decode_stats(running)
-    prompt = [1, *range(1500, 2100)]  # 601 tokens, not seen before (no prefix-cache hit)
-    _complete(pd.base_url, PD_MODEL, prompt)
-    computed_after, transferred_after = _decode_stats(running)
-    assert transferred_after - transferred_before >= 512, "the KV cache did not move"
-    assert computed_after - computed_before < 128, "decode recomputed the prompt"
+    # NIXL may fail a transfer on a starved CPU; decode then recomputes by design
+    # (kv_load_failure_policy="recompute"), so a second fresh prompt gets one more try.
+    failures = []
+    for first in (1500, 3300):
+        before = _decode_stats(running)
+        prompt = [1, *range(first, first + 600)]  # 601 tokens, never seen (no prefix-cache hit)
+        _complete(pd.base_url, PD_MODEL, prompt)
+        after = _decode_stats_after(running, before)
+        transferred, computed = after[1] - before[1], after[0] - before[0]
+        if transferred >= 512:
+            assert computed < 128, "decode recomputed the prompt"
+            return
+        failures.append(f"{before=} {after=}")
+    raise AssertionError(f"the KV cache did not move: {failures}\n{_transfer_log(pd)}")
 
 
 # ------------------------------------------------------------------- failures
