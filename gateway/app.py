@@ -11,17 +11,22 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 
+import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.error_handlers import install_error_handlers
+from gateway.image_fetch import FetchPolicy, ImageFetcher, allowed_schemes
+from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
 from gateway.routes import health, openai
 from gateway.state import GatewayState
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
+from shared.images import ImageLimits
+from shared.media_store import ImageStore
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
 from shared.registry import WorkerRegistry
@@ -54,6 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await state.redis.delete(
                     keys.gateway_heartbeat(state.gateway_id), state.router.stream
                 )
+            await state.images.aclose()
             await state.redis.aclose()
 
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
@@ -94,6 +100,22 @@ def _build_state(settings: Settings) -> GatewayState:
         router=router,
         dispatcher=dispatcher,
         unknown_fields=UnknownFieldLog(),
+        images=_image_inputs(settings, redis),
+    )
+
+
+def _image_inputs(settings: Settings, redis: aioredis.Redis) -> ImageInputs:
+    policy = FetchPolicy(
+        schemes=allowed_schemes(settings.image_url_schemes),
+        max_bytes=settings.image_max_bytes,
+        timeout_s=settings.image_fetch_timeout_s,
+        private_networks=FetchPolicy.parse_networks(settings.image_private_networks),
+    )
+    return ImageInputs(
+        ImageFetcher(policy),
+        ImageStore(redis),
+        ImageLimits(settings.image_max_bytes, settings.image_max_pixels),
+        max_images=settings.max_images_per_request,
     )
 
 

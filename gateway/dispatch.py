@@ -40,6 +40,7 @@ from shared.protocol import (
     ErrorEvent,
     Event,
     GenerateJob,
+    ImageRef,
     Job,
     encode_bytes,
 )
@@ -115,6 +116,7 @@ class Dispatcher:
         *,
         timeout_s: float,
         idempotency_key: str | None,
+        images: tuple[ImageRef, ...] = (),
     ) -> RequestHandle:
         longest_prompt = max(len(choice.prompt_token_ids) for choice in choices)
         role = self._directory.first_stage(model, longest_prompt, self._policy.min_prefill_tokens)
@@ -123,6 +125,11 @@ class Dispatcher:
                 f"no live worker serves model `{model}` right now; retry shortly",
                 retry_after_s=5,
             )
+        # With an encode pool, images go through it first; without, the language
+        # worker takes the raw images itself.
+        after_encode = None
+        if images and self._directory.serving(model, "encode"):
+            role, after_encode = "encode", role
         now = time.time()
         jobs = [
             GenerateJob(
@@ -134,6 +141,8 @@ class Dispatcher:
                 reply_to=self._router.stream,
                 deadline_unix=now + timeout_s,
                 created_unix=now,
+                images=images,
+                after_encode=after_encode,
             )
             for choice in choices
         ]

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from gateway.tokenizer import ModelTokenizer
 from shared.errors import InvalidRequest, ModelNotFound, WrongModelKind
@@ -29,6 +30,8 @@ class ServedModel:
     max_model_len: int
     created_unix: int
     kind: ModelKind = ModelKind.GENERATE
+    image_token_id: int | None = None
+    """The (unexpanded) image placeholder of a vision-language model; None: text only."""
 
     def require(self, kind: ModelKind) -> ServedModel:
         """This model, if it serves ``kind`` requests; else a 400 that says where to go."""
@@ -79,6 +82,7 @@ def load_model(
         max_model_len=max_model_len or _context_window(folder),
         created_unix=int(time.time()),
         kind=kind,
+        image_token_id=_image_token_id(folder),
     )
 
 
@@ -94,11 +98,29 @@ def _local_folder(path: str) -> Path:
         raise InvalidRequest(f"cannot find the model files of {path!r}: {exc}") from exc
 
 
-def _context_window(folder: Path) -> int:
+def _config(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.exists():
-        return DEFAULT_MAX_MODEL_LEN
+        return {}
     config = json.loads(config_file.read_text())
+    return config if isinstance(config, dict) else {}
+
+
+def _image_token_id(folder: Path) -> int | None:
+    """LLaVA names it ``image_token_index``, Qwen2-VL ``image_token_id``."""
+    config = _config(folder)
+    if "vision_config" not in config:
+        return None
+    for name in ("image_token_id", "image_token_index"):
+        if isinstance(config.get(name), int):
+            return int(config[name])
+    return None
+
+
+def _context_window(folder: Path) -> int:
+    config = _config(folder)
+    if not config:
+        return DEFAULT_MAX_MODEL_LEN
     text_config = config.get("text_config", config)
     value = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
     return int(value) if value else DEFAULT_MAX_MODEL_LEN

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
 from gateway.dispatch import Dispatcher
+from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ModelCatalog
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
@@ -26,6 +27,7 @@ class GatewayState:
     router: ReplyRouter
     dispatcher: Dispatcher
     unknown_fields: UnknownFieldLog
+    images: ImageInputs
     draining: bool = False
 
 

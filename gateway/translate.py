@@ -38,27 +38,50 @@ class UnknownFieldLog:
             log.info("ignoring unknown request field %r (logged once)", name)
 
 
-def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
-    messages = [_message_dict(i, message) for i, message in enumerate(request.messages)]
-    return model.tokenizer.encode_chat(messages)
+def chat_prompt(request: ChatCompletionRequest, model: ServedModel, images: int = 0) -> list[int]:
+    """The prompt's token ids; a vision-language model's images appear as one (unexpanded)
+    placeholder token each, which the engine expands to the image's embeddings."""
+    placeholder = model.image_token_id
+    vision = placeholder is not None
+    messages = [_message_dict(i, message, vision) for i, message in enumerate(request.messages)]
+    prompt = model.tokenizer.encode_chat(messages)
+    if placeholder is not None and prompt.count(placeholder) != images:
+        raise InvalidRequest(
+            f"the chat template of `{model.name}` placed {prompt.count(placeholder)} image "
+            f"placeholder(s) for {images} image(s); this model cannot take images there",
+            param="messages",
+        )
+    return prompt
 
 
-def _message_dict(position: int, message: Any) -> dict[str, Any]:
+def _message_dict(position: int, message: Any, vision: bool) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        texts = []
-        for part_index, part in enumerate(content):
-            if part.type != "text":
-                raise InvalidRequest(
-                    f"model does not accept {part.type} content parts",
-                    param=f"messages[{position}].content[{part_index}]",
-                )
-            texts.append(part.text)
-        content = "".join(texts)
+        if vision:
+            content = [_template_part(part) for part in content]
+        else:
+            content = "".join(_text_only(position, index, part) for index, part in
+                              enumerate(content))
     entry: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name:
         entry["name"] = message.name
     return entry
+
+
+def _template_part(part: Any) -> dict[str, Any]:
+    """Hugging Face chat templates of vision models expect ``{"type": "image"}``."""
+    if part.type == "text":
+        return {"type": "text", "text": part.text}
+    return {"type": "image"}
+
+
+def _text_only(position: int, index: int, part: Any) -> str:
+    if part.type != "text":
+        raise InvalidRequest(
+            f"model does not accept {part.type} content parts",
+            param=f"messages[{position}].content[{index}]",
+        )
+    return str(part.text)
 
 
 def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:

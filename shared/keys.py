@@ -87,3 +87,13 @@ WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
 
 def gateway_heartbeat(gateway_id: str) -> str:
     return f"{PREFIX}:gateway:{gateway_id}"
+
+
+def image(digest: str) -> str:
+    """The bytes of a request's image, named by their SHA-256 (the gateway stores them)."""
+    return f"{PREFIX}:image:{digest}"
+
+
+def image_embedding(model: str, digest: str) -> str:
+    """An encode worker's embedding of one image for one model (the redis transport)."""
+    return f"{PREFIX}:embedding:{model}:{digest}"

@@ -52,6 +52,13 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     skip_special_tokens: bool = True
 
 
+class ImageRef(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a prompt, named by the SHA-256 of its bytes (see shared/images.py)."""
+
+    digest: str
+    nbytes: int
+
+
 class GenerateJob(
     msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag_field="kind", tag="generate"
 ):
@@ -67,6 +74,12 @@ class GenerateJob(
     created_unix: float
     handoff: dict[str, Any] | None = None
     """Disaggregated decode: where the prefilled KV cache is (engine-specific, JSON-safe)."""
+    images: tuple[ImageRef, ...] = ()
+    """The prompt's images, in the order of its (unexpanded) image placeholders."""
+    images_encoded: bool = False
+    """An encode worker stored the images' embeddings: use those, not the raw images."""
+    after_encode: str | None = None
+    """Encode stage: the stage (role) the job goes to once its images are encoded."""
 
     @property
     def job_id(self) -> str:

@@ -19,6 +19,8 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     EMBED = "embed"
+    ENCODE = "encode"
+    """Runs a vision-language model's image encoder; hands embeddings to the language stage."""
 
 
 class Mode(StrEnum):
@@ -77,6 +79,36 @@ class Settings(BaseSettings):
     )
     idempotency_ttl_s: int = Field(
         3600, description="How long an Idempotency-Key is remembered."
+    )
+    # --- images (vision-language models) ------------------------------------
+    image_url_schemes: str = Field(
+        "http,https,data", description="Image URL schemes a request may use (comma-separated)."
+    )
+    image_private_networks: str = Field(
+        "",
+        description="Networks (CIDRs, comma-separated) image URLs may point into although "
+        "they are not public, e.g. an internal image store. Empty: public addresses only "
+        "(no loopback, private, link-local or metadata addresses), checked on every redirect.",
+    )
+    image_max_bytes: int = Field(20 * 1024 * 1024, description="Largest image, in bytes.")
+    image_max_pixels: int = Field(
+        4096 * 4096, description="Largest image, in pixels (width x height)."
+    )
+    image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
+    max_images_per_request: int = Field(8, description="Images one chat request may carry.")
+    encode: bool = Field(
+        False,
+        description="`conveyor up`: add an encode worker that turns images into embeddings "
+        "in front of the language workers (vision-language models).",
+    )
+    embedding_cache_mib: float = Field(
+        256.0,
+        description="Encode worker: bytes of image embeddings kept, keyed by image content.",
+    )
+    embedding_transport: str = Field(
+        "redis",
+        description="How an encode worker hands embeddings to the language worker: `redis` "
+        "(a key with a TTL) or a folder path every worker can read (shared storage).",
     )
     # --- workers -------------------------------------------------------------
     role: Role = Field(Role.AGGREGATED, description="Worker role.")

@@ -27,6 +27,7 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState, StateDep
 from shared.errors import GatewayDraining, InvalidRequest
+from shared.protocol import ImageRef
 
 router = APIRouter(prefix="/v1")
 
@@ -43,7 +44,9 @@ async def chat_completions(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     model = _admit(state, body)
-    prompt = await asyncio.to_thread(translate.chat_prompt, body, model)
+    timeout = _timeout(state, timeout_s)
+    images = await state.images.collect(body, model, timeout_s=timeout)
+    prompt = await asyncio.to_thread(translate.chat_prompt, body, model, len(images))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     fmt = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -51,7 +54,7 @@ async def chat_completions(
         with_logprobs=body.logprobs,
         with_token_ids=body.return_token_ids,
     )
-    return await _run(state, request, body, fmt, choices, idempotency_key, timeout_s)
+    return await _run(state, request, body, fmt, choices, idempotency_key, timeout, images)
 
 
 @router.post("/completions", response_model=None)
@@ -140,6 +143,7 @@ async def _run(
     choices: list[translate.ChoiceSpec],
     idempotency_key: str | None,
     timeout_s: float | None,
+    images: tuple[ImageRef, ...] = (),
 ) -> Response:
     handle = await state.dispatcher.submit(
         fmt.request_id,
@@ -147,6 +151,7 @@ async def _run(
         choices,
         timeout_s=_timeout(state, timeout_s),
         idempotency_key=idempotency_key,
+        images=images,
     )
     indices = [choice.index for choice in choices]
     if body.stream:
