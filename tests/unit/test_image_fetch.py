@@ -23,7 +23,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     hosts_seen: list[str] = []
     hits: list[str] = []
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         _Handler.hosts_seen.append(self.headers.get("Host", ""))
         _Handler.hits.append(self.path)
         if self.path.startswith("/redirect?to="):
@@ -132,7 +132,7 @@ async def test_checks_every_redirect(server: str, target: str) -> None:
     fetcher = ImageFetcher(_policy())
     hits = len(_Handler.hits)
     try:
-        with pytest.raises(ImageFetchError, match="non-public|scheme"):
+        with pytest.raises(ImageFetchError, match=r"non-public|scheme"):
             await fetcher.fetch(f"{server}/redirect?to={target}")
     finally:
         await fetcher.aclose()
