@@ -1,0 +1,167 @@
+"""The gateway's image pipeline: bad images are 400s naming the part and nothing is stored;
+good ones are stored once per content, and the prompt holds one placeholder per image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import fakeredis.aioredis
+import pytest
+from PIL import Image
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+from gateway import translate
+from gateway.image_fetch import FetchPolicy, ImageFetcher
+from gateway.image_inputs import ImageInputs
+from gateway.model_catalog import ServedModel
+from gateway.schemas import ChatCompletionRequest
+from gateway.tokenizer import ModelTokenizer
+from shared import keys
+from shared.errors import InvalidRequest
+from shared.images import ImageLimits, check_image, content_hash, sniff_format
+from shared.media_store import ImageStore
+from workers.embedding_cache import EmbeddingCache
+
+VISION_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+
+
+def _image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 8), color: str = "red") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> ServedModel:
+    folder: Path = tmp_path_factory.mktemp("vision-tokenizer")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>", "<image>")],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(["describe this picture please", "user assistant"], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": VISION_TEMPLATE}))
+    return ServedModel(
+        name="tiny-vl",
+        path=str(folder),
+        tokenizer=ModelTokenizer(folder),
+        max_model_len=512,
+        created_unix=0,
+        image_token_id=int(tokenizer.token_to_id("<image>")),
+    )
+
+
+@pytest.fixture
+def redis() -> fakeredis.aioredis.FakeRedis:
+    return fakeredis.aioredis.FakeRedis()
+
+
+@pytest.fixture
+def inputs(redis: fakeredis.aioredis.FakeRedis) -> ImageInputs:
+    policy = FetchPolicy(frozenset({"http", "https", "data"}), max_bytes=50_000, timeout_s=2.0)
+    return ImageInputs(ImageFetcher(policy), ImageStore(redis), ImageLimits(50_000, 256 * 256),
+                       max_images=3)
+
+
+def _request(*parts: dict[str, object]) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({
+        "model": "tiny-vl",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}],
+    })
+
+
+def _image(url: str) -> dict[str, object]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def test_images_are_stored_once_by_content(
+    inputs: ImageInputs, vision_model: ServedModel, redis: fakeredis.aioredis.FakeRedis
+) -> None:
+    png = _image_bytes()
+    # The same bytes under two URLs (two data: spellings) are one image.
+    request = _request(_image(_data_url(png)), _image(_data_url(png, "image/x-png")),
+                       _image(_data_url(_image_bytes(color="blue"))))
+    refs = await inputs.collect(request, vision_model, timeout_s=30)
+    assert [ref.digest for ref in refs][:2] == [content_hash(png)] * 2
+    assert refs[2].digest != refs[0].digest
+    assert await redis.get(keys.image(content_hash(png))) == png
+    assert 30 < await redis.ttl(keys.image(content_hash(png))) <= 30 + 120
+    prompt = translate.chat_prompt(request, vision_model, len(refs))
+    assert prompt.count(vision_model.image_token_id) == 3  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("part", "reason"), [
+    (_image("ftp://example.com/a.png"), "scheme 'ftp' is not allowed"),
+    (_image("http://10.0.0.1/a.png"), "non-public address"),
+    (_image("http://169.254.169.254/latest/meta-data"), "non-public address"),
+    (_image(_data_url(b"hello, not an image")), "not a JPEG, PNG or WEBP"),
+    (_image(_data_url(b"GIF89a" + b"0" * 20, "image/gif")), "not a JPEG, PNG or WEBP"),
+    (_image("data:image/png;base64,%%%not-base64"), "broken base64"),
+    (_image(_data_url(b"0" * 60_000)), "the limit is 50000"),
+    (_image(_data_url(_image_bytes(size=(300, 300)))), "pixels"),
+    (_image(_data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)), "cannot be decoded"),
+])
+async def test_bad_images_are_400s_naming_the_part(
+    inputs: ImageInputs,
+    vision_model: ServedModel,
+    redis: fakeredis.aioredis.FakeRedis,
+    part: dict[str, object],
+    reason: str,
+) -> None:
+    request = _request(_image(_data_url(_image_bytes())), part)
+    with pytest.raises(InvalidRequest, match=reason) as caught:
+        await inputs.collect(request, vision_model, timeout_s=30)
+    assert caught.value.status == 400
+    assert caught.value.param == "messages[0].content[2]"
+    assert await redis.keys("*") == []  # nothing stored, so nothing queued
+
+
+async def test_too_many_images(inputs: ImageInputs, vision_model: ServedModel) -> None:
+    request = _request(*[_image(_data_url(_image_bytes())) for _ in range(4)])
+    with pytest.raises(InvalidRequest, match="4 images in one request; the limit is 3"):
+        await inputs.collect(request, vision_model, timeout_s=30)
+
+
+async def test_text_only_model_refuses_images(inputs: ImageInputs,
+                                              served_model: ServedModel) -> None:
+    request = _request(_image(_data_url(_image_bytes())))
+    with pytest.raises(InvalidRequest, match="text-only model") as caught:
+        await inputs.collect(request, served_model, timeout_s=30)
+    assert caught.value.param == "messages[0].content[1]"
+
+
+def test_formats_are_sniffed_not_trusted() -> None:
+    assert sniff_format(_image_bytes("PNG")) == "PNG"
+    assert sniff_format(_image_bytes("JPEG")) == "JPEG"
+    assert sniff_format(_image_bytes("WEBP")) == "WEBP"
+    assert sniff_format(_image_bytes("GIF")) is None
+    assert check_image(_image_bytes("WEBP", size=(5, 7)), ImageLimits(10**6, 10**6)) == (5, 7)
+
+
+def test_embedding_cache_never_exceeds_its_bound() -> None:
+    cache = EmbeddingCache(max_bytes=1000)
+    for index in range(20):
+        cache.put(f"d{index}", bytes(300))
+        assert cache.stats.bytes <= 1000
+    assert cache.stats.entries == 3 and cache.stats.evictions == 17
+    assert cache.get("d19") is not None and cache.get("d0") is None
+    assert (cache.stats.hits, cache.stats.misses) == (1, 1)
+    cache.put("huge", bytes(5000))  # bigger than the bound: not kept
+    assert cache.get("huge") is None and cache.stats.bytes <= 1000
