@@ -44,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in _SUBCOMMAND_HELP.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == "demo-model":
+            from conveyor.demo_model import KINDS  # stdlib only: cheap
+
             command.add_argument("path", type=Path)
             command.add_argument("--seed", type=int, default=0)
+            command.add_argument("--kind", choices=KINDS, default="llama",
+                                 help="text (llama) or vision-language (llava, qwen2-vl)")
         else:
             _add_setting_flags(command)
     return parser
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging("INFO")
         from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
 
-        write_demo_model(args.path, seed=args.seed)
+        write_demo_model(args.path, seed=args.seed, kind=args.kind)
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
         return 0
     settings = settings_from(args)
@@ -129,8 +133,10 @@ def run_up(settings: Settings) -> int:
         redis_process = start_private_redis(settings.redis_url, settings.data_dir)
     if settings.model is None:
         from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+        from shared.model_source import demo_kind
 
-        path = write_demo_model(settings.demo_model_path())
+        kind = demo_kind(settings)
+        path = write_demo_model(settings.demo_model_path(kind), kind=kind)
         settings = settings.model_copy(update={"model": str(path.resolve()),
                                                "served_model_name": settings.served_name()})
         log.warning(DEMO_MODEL_NOTICE)
@@ -163,12 +169,13 @@ def _forget_worker(redis_url: str) -> Callable[[int], None]:
 
 
 def worker_roles(settings: Settings) -> list[str]:
-    """The workers `up` starts: N aggregated, or N prefill + N decode; plus one embed
-    worker when an embedding model is set."""
+    """The workers `up` starts: N aggregated, or N prefill + N decode; one encode worker in
+    front of them with --encode; plus one embed worker when an embedding model is set."""
+    roles = [Role.ENCODE.value] if settings.encode else []
     if settings.mode is Mode.DISAGGREGATED:
-        roles = [Role.PREFILL.value, Role.DECODE.value] * settings.workers
+        roles += [Role.PREFILL.value, Role.DECODE.value] * settings.workers
     else:
-        roles = [Role.AGGREGATED.value] * settings.workers
+        roles += [Role.AGGREGATED.value] * settings.workers
     if settings.embed_model:
         roles.append(Role.EMBED.value)
     return roles

@@ -1,6 +1,7 @@
-"""Generate a tiny random-weight Llama model that vLLM can serve without any download.
+"""Generate a tiny random-weight model that vLLM can serve without any download.
 
-``write_demo_model(target)`` writes a complete Hugging Face style model folder:
+``write_demo_model(target, kind=...)`` writes a complete Hugging Face style model folder.
+``kind="llama"`` (the default) is a text model:
 
 * ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE (vocab 4096) trained
   locally on the Python standard library sources plus a short English paragraph, so any
@@ -10,6 +11,12 @@
   Llama (hidden 256, head_dim 64) with seeded random float32 weights. Both ``</s>`` and
   ``<|im_end|>`` are end-of-generation tokens.
 * ``conveyor-demo.json``: a marker written last; its presence means the folder is complete.
+  It records the kind, the seed and a format version.
+
+``kind="llava"`` and ``kind="qwen2-vl"`` are vision-language models with the same tokenizer
+(plus the family's image special tokens), a tiny vision tower, an image processor and a
+chat template that renders image parts as the family's unexpanded image placeholder; see
+:mod:`conveyor.demo_vision_model`.
 
 The output is noise (the weights are random); the point is to exercise the whole serving
 stack (tokenization, chat templating, batching, streaming, stop tokens) in seconds on a CPU.
@@ -31,17 +38,19 @@ from typing import Any, Final
 
 __all__ = [
     "DEMO_MODEL_NOTICE",
+    "KINDS",
     "MARKER_FILE",
     "is_demo_model",
     "write_demo_model",
 ]
 
 MARKER_FILE: Final = "conveyor-demo.json"
-MARKER_KIND: Final = "llama"
 MARKER_VERSION: Final = 1
+KINDS: Final = ("llama", "llava", "qwen2-vl")
 
 DEMO_MODEL_NOTICE: Final = (
-    "Conveyor is serving its built-in demo model: a tiny Llama with RANDOM weights and a "
+    "Conveyor is serving its built-in demo model: a tiny Llama (or LLaVA / Qwen2-VL) with "
+    "RANDOM weights and a "
     "locally trained tokenizer, so its output is noise. It exists only to exercise the "
     "serving stack (tokenization, chat template, batching, streaming, stop tokens) without "
     "downloading anything. To serve a real model, pass a local Hugging Face model folder or "
@@ -238,8 +247,8 @@ def _write_model(
 # --- public API --------------------------------------------------------------------------
 
 
-def _marker(seed: int) -> dict[str, Any]:
-    return {"kind": MARKER_KIND, "version": MARKER_VERSION, "seed": seed}
+def _marker(seed: int, kind: str) -> dict[str, Any]:
+    return {"kind": kind, "version": MARKER_VERSION, "seed": seed}
 
 
 def _read_marker(target: Path) -> dict[str, Any] | None:
@@ -250,27 +259,34 @@ def _read_marker(target: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_demo_model(path: Path | str) -> bool:
-    """True if ``path`` is a complete folder written by :func:`write_demo_model`."""
+def is_demo_model(path: Path | str, kind: str | None = None) -> bool:
+    """True if ``path`` is a complete folder written by :func:`write_demo_model` (of
+    ``kind``, when given)."""
     marker = _read_marker(Path(path))
-    return marker is not None and marker.get("kind") == MARKER_KIND
+    if marker is None or marker.get("kind") not in KINDS:
+        return False
+    return kind is None or marker.get("kind") == kind
 
 
-def _is_current(target: Path, seed: int) -> bool:
-    return _read_marker(target) == _marker(seed)
+def _is_current(target: Path, seed: int, kind: str) -> bool:
+    return _read_marker(target) == _marker(seed, kind)
 
 
-def write_demo_model(target: Path, *, seed: int = 0) -> Path:
-    """Generate (idempotently) a tiny random Llama + tokenizer + chat template at `target`.
+def write_demo_model(target: Path, *, seed: int = 0, kind: str = "llama") -> Path:
+    """Generate (idempotently) a tiny random model + tokenizer + chat template at `target`.
 
-    Returns ``target``. If ``target`` already holds a complete demo model for this ``seed``
-    (marker file present), returns immediately. Everything is written into a temporary
-    sibling directory that is renamed onto ``target`` at the end, so a crash never leaves a
-    half-written model. An existing demo model of another seed/version is replaced; a
-    non-empty directory that is not a demo model raises ``FileExistsError``.
+    ``kind`` is one of :data:`KINDS`: ``"llama"`` (text), ``"llava"`` or ``"qwen2-vl"``
+    (vision-language). Returns ``target``. If ``target`` already holds a complete demo
+    model of this kind and ``seed`` (marker file present), returns immediately. Everything
+    is written into a temporary sibling directory that is renamed onto ``target`` at the
+    end, so a crash never leaves a half-written model. An existing demo model of another
+    kind/seed/version is replaced; a non-empty directory that is not a demo model raises
+    ``FileExistsError``.
     """
+    if kind not in KINDS:
+        raise ValueError(f"unknown demo model kind {kind!r}; choose one of {', '.join(KINDS)}")
     target = Path(target)
-    if _is_current(target, seed):
+    if _is_current(target, seed, kind):
         return target
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory")
@@ -281,19 +297,29 @@ def write_demo_model(target: Path, *, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)
-        _write_all(tmp, seed=seed)
-        _install(tmp, target, seed)
+        _write_all(tmp, seed=seed, kind=kind)
+        _install(tmp, target, seed, kind)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _write_all(out: Path, *, seed: int) -> None:
+def _write_all(out: Path, *, seed: int, kind: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
+    from conveyor.demo_vision_model import TokenIds, chat_template, vision_spec
+
     tok = _train_tokenizer()
-    ids = {t: int(tok.token_to_id(t)) for t in SPECIAL_TOKENS}
+    spec = vision_spec(kind) if kind != "llama" else None
+    extra = list(spec.special_tokens) if spec is not None else []
+    if extra:  # appended after the trained vocabulary: text tokenizes as for "llama"
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
+    ids = {t: int(tok.token_to_id(t)) for t in (*SPECIAL_TOKENS, *extra)}
     vocab_size = _round_up(int(tok.get_vocab_size(with_added_tokens=True)), 64)
+    template = CHAT_TEMPLATE if spec is None else chat_template(spec.placeholder)
+    additional = [IM_START, IM_END, *extra]
 
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
@@ -301,28 +327,33 @@ def _write_all(out: Path, *, seed: int) -> None:
         eos_token=EOS,
         unk_token=UNK,
         pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=additional,
         clean_up_tokenization_spaces=False,
         model_max_length=MAX_POSITIONS,
         padding_side="left",
     )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    _normalize_tokenizer_config(out / "tokenizer_config.json")
+    fast.chat_template = template
+    eos_ids = [ids[EOS], ids[IM_END]]
+    if spec is None:
+        fast.save_pretrained(out)
+        _write_model(
+            out, seed=seed, vocab_size=vocab_size, bos_id=ids[BOS], eos_ids=eos_ids,
+            pad_id=ids[PAD],
+        )
+    else:
+        from conveyor.demo_vision_model import write_vision_model
 
-    _write_model(
-        out,
-        seed=seed,
-        vocab_size=vocab_size,
-        bos_id=ids[BOS],
-        eos_ids=[ids[EOS], ids[IM_END]],
-        pad_id=ids[PAD],
-    )
+        token_ids = TokenIds(
+            vocab_size=vocab_size, bos=ids[BOS], eos=eos_ids, pad=ids[PAD],
+            special={t: ids[t] for t in extra},
+        )
+        write_vision_model(out, kind=kind, seed=seed, tokenizer=fast, ids=token_ids)
+    _normalize_tokenizer_config(out / "tokenizer_config.json", additional, template)
     # Written last: its presence means the folder is complete.
-    (out / MARKER_FILE).write_text(json.dumps(_marker(seed)) + "\n", encoding="utf-8")
+    (out / MARKER_FILE).write_text(json.dumps(_marker(seed, kind)) + "\n", encoding="utf-8")
 
 
-def _normalize_tokenizer_config(path: Path) -> None:
+def _normalize_tokenizer_config(path: Path, additional: list[str], template: str) -> None:
     """Make ``tokenizer_config.json`` loadable by transformers 4.x as well as 5.x.
 
     transformers 5 writes ``tokenizer_class: TokenizersBackend`` and a list-valued
@@ -334,16 +365,16 @@ def _normalize_tokenizer_config(path: Path) -> None:
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg.pop("backend", None)
     cfg.pop("extra_special_tokens", None)
-    cfg["additional_special_tokens"] = [IM_START, IM_END]
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["additional_special_tokens"] = additional
+    cfg["chat_template"] = template
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _install(tmp: Path, target: Path, seed: int) -> None:
+def _install(tmp: Path, target: Path, seed: int, kind: str) -> None:
     """Atomically move the finished folder ``tmp`` to ``target``."""
     old: Path | None = None
     if target.is_dir() and any(target.iterdir()):
-        if _is_current(target, seed):  # a concurrent writer finished first
+        if _is_current(target, seed, kind):  # a concurrent writer finished first
             return
         # An outdated demo model: move it aside, then swap the new one in.
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -351,7 +382,7 @@ def _install(tmp: Path, target: Path, seed: int) -> None:
     try:
         os.replace(tmp, target)  # atomic; also succeeds onto an empty directory
     except OSError:
-        if not _is_current(target, seed):  # lost a race to another writer?
+        if not _is_current(target, seed, kind):  # lost a race to another writer?
             raise
     finally:
         if old is not None:

@@ -15,6 +15,12 @@ def resolve_model_path(settings: Settings) -> str:
         return settings.model
     from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
 
-    path = write_demo_model(settings.demo_model_path())
+    kind = demo_kind(settings)
+    path = write_demo_model(settings.demo_model_path(kind), kind=kind)
     log.warning(DEMO_MODEL_NOTICE)
     return str(path.resolve())
+
+
+def demo_kind(settings: Settings) -> str:
+    """An encode worker needs a vision-language model: the demo is then a tiny LLaVA."""
+    return "llava" if settings.encode else "llama"

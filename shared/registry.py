@@ -24,6 +24,8 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_s: float = 0.0
     can_decode_alone: bool = True
     """False for SGLang decode workers: they cannot run a prompt without a prefill."""
+    embedding_cache: dict[str, int] | None = None
+    """Encode workers: image embedding cache hits, misses, evictions, entries, bytes."""
 
 
 _decoder = msgspec.json.Decoder(WorkerRegistration)

@@ -214,5 +214,5 @@ class Settings(BaseSettings):
             return "all-MiniLM-L6-v2"
         return Path(str(self.embed_model).rstrip("/")).name
 
-    def demo_model_path(self) -> Path:
-        return self.data_dir / "demo-model"
+    def demo_model_path(self, kind: str = "llama") -> Path:
+        return self.data_dir / ("demo-model" if kind == "llama" else f"demo-model-{kind}")

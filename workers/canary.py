@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from shared.errors import ConveyorError
 from shared.protocol import SamplingOptions
@@ -31,9 +31,11 @@ class Canary:
         idle_s: float = 10.0,
         timeout_s: float = 3.0,
         embeds: bool = False,
+        probe: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._engine = engine
         self._embeds = embeds
+        self._probe = probe
         self._idle_s = idle_s
         self._timeout_s = timeout_s
         self._last_activity = time.monotonic()
@@ -54,6 +56,9 @@ class Canary:
         return time.monotonic() - self._last_activity >= self._idle_s
 
     async def _ask(self, request_id: str) -> None:
+        if self._probe is not None:  # an engine that neither generates nor embeds
+            await self._probe()
+            return
         if self._embeds:  # a pooling engine cannot generate
             await self._engine.embed(request_id, CANARY_PROMPT)
             return

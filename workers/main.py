@@ -13,10 +13,13 @@ import uuid
 import uvloop
 
 from shared import keys
+from shared.media_store import ImageStore, embedding_store
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
 from shared.settings import EngineKind, Role, Settings
 from workers.engines.base import Engine
+from workers.engines.vision_engine import VisionEngine
+from workers.prompt_images import PromptImageLoader
 from workers.runtime import WorkerPolicy, WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ async def serve(settings: Settings) -> int:
         engine.shutdown()
         return 0
     redis = connect(settings.redis_url)
+    if isinstance(engine, VisionEngine):
+        engine.attach(redis)
     runtime = WorkerRuntime(
         worker_id=new_worker_id(settings.role.value),
         role=settings.role.value,
@@ -77,6 +82,9 @@ async def serve(settings: Settings) -> int:
             canary_idle_s=settings.canary_idle_s,
             gateway_grace_s=settings.gateway_liveness_ttl_s,
         ),
+        images=PromptImageLoader(
+            ImageStore(redis), embedding_store(settings.embedding_transport, redis)
+        ),
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.stop)
@@ -89,6 +97,8 @@ async def serve(settings: Settings) -> int:
 
 
 def build_engine(settings: Settings, model_path: str, served_name: str) -> Engine:
+    if settings.role is Role.ENCODE:
+        return VisionEngine.load(settings, model_path, served_name)
     if settings.engine is EngineKind.SGLANG:
         from workers.engines.sglang_engine import SglangEngine
 

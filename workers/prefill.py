@@ -20,17 +20,25 @@ from shared.errors import ConveyorError, EngineDead
 from shared.protocol import GenerateJob
 from workers.engines.base import Engine
 from workers.journal import RunJournal, RunLease
-from workers.sequence import generate_job
+from workers.prompt_images import PromptImageLoader
+from workers.sequence import generate_job, load_images
 
 log = logging.getLogger(__name__)
 
 
 class PrefillRun:
-    def __init__(self, lease: RunLease, engine: Engine, journal: RunJournal) -> None:
+    def __init__(
+        self,
+        lease: RunLease,
+        engine: Engine,
+        journal: RunJournal,
+        images: PromptImageLoader | None = None,
+    ) -> None:
         self.lease = lease
         self.job: GenerateJob = generate_job(lease)
         self._engine = engine
         self._journal = journal
+        self._images = images
 
     def decode_stream(self) -> str:
         return keys.job_stream(self.job.model, "decode")
@@ -45,8 +53,9 @@ class PrefillRun:
                                                ack=False):
                 return
         try:
+            images = await load_images(self._images, job)
             result = await self._engine.prefill(
-                job.job_id, job.prompt_token_ids, job.sampling, handoff=handoff
+                job.job_id, job.prompt_token_ids, job.sampling, handoff=handoff, images=images
             )
         except EngineDead:
             raise

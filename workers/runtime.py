@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -35,14 +36,17 @@ from shared.registry import WorkerRegistration, WorkerRegistry
 from shared.tasks import cancel_and_wait
 from workers.canary import Canary
 from workers.embed import EmbedRun
+from workers.encode import EncodeRun
 from workers.engines.base import Engine
+from workers.engines.vision_engine import VisionEngine
 from workers.gateway_watch import GatewayWatch
 from workers.intake import IntakePolicy, Verdict, client_gone, decide
 from workers.journal import RunJournal, RunLease
 from workers.prefill import PrefillRun
+from workers.prompt_images import PromptImageLoader
 from workers.sequence import SequenceRun
 
-JobRun = SequenceRun | PrefillRun | EmbedRun
+JobRun = SequenceRun | PrefillRun | EmbedRun | EncodeRun
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,10 @@ class WorkerRuntime:
         engine: Engine,
         redis: aioredis.Redis,
         policy: WorkerPolicy,
+        images: PromptImageLoader | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self._images = images
         self._role = role
         self._streams = list(streams)
         self._engine = engine
@@ -88,7 +94,12 @@ class WorkerRuntime:
         self._queue = JobQueue(redis)
         self._journal = RunJournal(redis, consumer=worker_id, on_fenced=self._fence)
         self._registry = WorkerRegistry(redis, ttl_s=policy.heartbeat_ttl_s)
-        self._canary = Canary(engine, idle_s=policy.canary_idle_s, embeds=role == "embed")
+        self._canary = Canary(
+            engine,
+            idle_s=policy.canary_idle_s,
+            embeds=role == "embed",
+            probe=engine.encoding.probe if isinstance(engine, VisionEngine) else None,
+        )
         self._gateways = GatewayWatch(redis, grace_s=policy.gateway_grace_s)
         self._active: dict[str, tuple[JobRun, asyncio.Task[None]]] = {}
         self._orphaned: list[RunLease] = []
@@ -221,11 +232,13 @@ class WorkerRuntime:
         self._active[lease.job_id] = (run, task)
 
     def _new_run(self, lease: RunLease) -> JobRun:
+        if isinstance(self._engine, VisionEngine):
+            return EncodeRun(lease, self._engine.encoding, self._journal)
         if self._role == "prefill":
-            return PrefillRun(lease, self._engine, self._journal)
+            return PrefillRun(lease, self._engine, self._journal, self._images)
         if self._role == "embed":
             return EmbedRun(lease, self._engine, self._journal)
-        return SequenceRun(lease, self._engine, self._journal)
+        return SequenceRun(lease, self._engine, self._journal, self._images)
 
     async def _run_sequence(self, run: JobRun) -> None:
         job_id = run.lease.job_id
@@ -394,12 +407,18 @@ class WorkerRuntime:
                 prompt_tokens_transferred=self._engine.prompt_stats.transferred,
                 kv_transfers=self._engine.prompt_stats.kv_transfers,
                 kv_transfer_s=round(self._engine.prompt_stats.kv_transfer_s, 6),
+                embedding_cache=self._embedding_cache_stats(),
             )
             try:
                 await self._registry.beat(registration)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self._registry.ttl_s / 4)
+
+    def _embedding_cache_stats(self) -> dict[str, int] | None:
+        if not isinstance(self._engine, VisionEngine):
+            return None
+        return dataclasses.asdict(self._engine.encoding.cache.stats)
 
     async def _monitor_engine(self) -> None:
         while True:

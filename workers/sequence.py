@@ -14,10 +14,17 @@ import time
 
 import msgspec
 
-from shared.errors import ConveyorError, DeadlineExceeded, EngineDead, EngineError
+from shared.errors import (
+    ConveyorError,
+    DeadlineExceeded,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+)
 from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
-from workers.engines.base import Engine
+from workers.engines.base import Engine, PromptImages
 from workers.journal import RunJournal, RunLease
+from workers.prompt_images import PromptImageLoader
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +38,14 @@ def generate_job(lease: RunLease) -> GenerateJob:
     if not isinstance(job, GenerateJob):
         raise TypeError(f"{job.job_id} is not a generation job")
     return job
+
+
+async def load_images(loader: PromptImageLoader | None, job: GenerateJob) -> PromptImages | None:
+    if not job.images:
+        return None
+    if loader is None:
+        raise InvalidRequest("this worker cannot take images")
+    return await loader.load(job)
 
 
 def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], SamplingOptions]:
@@ -48,11 +63,18 @@ def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], Sampl
 class SequenceRun:
     """Drives ``engine.generate`` for one leased job; numbers its events by ``seq``."""
 
-    def __init__(self, lease: RunLease, engine: Engine, journal: RunJournal) -> None:
+    def __init__(
+        self,
+        lease: RunLease,
+        engine: Engine,
+        journal: RunJournal,
+        images: PromptImageLoader | None = None,
+    ) -> None:
         self.lease = lease
         self.job: GenerateJob = generate_job(lease)
         self._engine = engine
         self._journal = journal
+        self._images = images
         self._completion_tokens = len(lease.emitted)
 
     async def run(self) -> None:
@@ -106,7 +128,9 @@ class SequenceRun:
             return "length", len(job.prompt_token_ids)
         # A fresh decode fetches the prefilled KV; a resumed one recomputes its prompt.
         handoff = job.handoff if not self.lease.emitted else None
-        stream = self._engine.generate(job.job_id, prompt, sampling, handoff=handoff)
+        images = await load_images(self._images, job)
+        stream = self._engine.generate(job.job_id, prompt, sampling, handoff=handoff,
+                                       images=images)
         async for step in stream:
             if step.token_ids or step.text:
                 self._completion_tokens += len(step.token_ids)

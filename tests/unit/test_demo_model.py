@@ -216,3 +216,185 @@ def test_import_is_light() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- vision-language demo models ----------------------------------------------------------
+
+VISION_FILES = (
+    *MODEL_FILES,
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.jinja",
+)
+PLACEHOLDER = {
+    "llava": "<image>",
+    "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+IMAGE_TOKEN = {"llava": "<image>", "qwen2-vl": "<|image_pad|>"}
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2-vl"])
+def vision_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kind = str(request.param)
+    return write_demo_model(tmp_path_factory.mktemp("vision") / kind, kind=kind)
+
+
+def _kind(path: Path) -> str:
+    return str(json.loads((path / MARKER_FILE).read_text())["kind"])
+
+
+def test_vision_layout_and_marker(vision_dir: Path) -> None:
+    kind = vision_dir.name
+    for name in VISION_FILES:
+        assert (vision_dir / name).is_file(), name
+    marker = json.loads((vision_dir / MARKER_FILE).read_text())
+    assert marker == {"kind": kind, "version": 1, "seed": 0}
+    assert is_demo_model(vision_dir) and is_demo_model(vision_dir, kind)
+    assert not is_demo_model(vision_dir, "llama")
+    size = sum(f.stat().st_size for f in vision_dir.iterdir())
+    assert size < 32 * 1024 * 1024
+    assert [p.name for p in vision_dir.parent.iterdir()] == [kind]
+
+
+def test_vision_idempotent_per_kind(vision_dir: Path, tmp_path: Path) -> None:
+    kind = vision_dir.name
+    before = _digests(vision_dir)
+    t0 = time.perf_counter()
+    assert write_demo_model(vision_dir, kind=kind) == vision_dir
+    assert time.perf_counter() - t0 < 0.5
+    assert _digests(vision_dir) == before
+
+    # Same seed, same bytes; another kind replaces the folder (the marker says which).
+    other = write_demo_model(tmp_path / "m", kind=kind)
+    weights = "model.safetensors"
+    assert (other / weights).read_bytes() == (vision_dir / weights).read_bytes()
+    write_demo_model(other, kind="llama")
+    assert _kind(other) == "llama" and not (other / "preprocessor_config.json").exists()
+    write_demo_model(other, kind=kind)
+    assert _kind(other) == kind
+    assert (other / weights).read_bytes() == (vision_dir / weights).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_unknown_kind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown demo model kind"):
+        write_demo_model(tmp_path / "x", kind="gpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vision_config_and_tokens(vision_dir: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    kind = vision_dir.name
+    cfg = AutoConfig.from_pretrained(str(vision_dir))
+    tok = AutoTokenizer.from_pretrained(str(vision_dir))
+    text = cfg.text_config
+    assert text.hidden_size == 256 and text.num_hidden_layers == 2
+    assert text.hidden_size // text.num_attention_heads >= 64
+    assert text.vocab_size >= len(tok) and text.vocab_size % 64 == 0
+    image_id = cfg.image_token_index if kind == "llava" else cfg.image_token_id
+    assert image_id == tok.convert_tokens_to_ids(IMAGE_TOKEN[kind])
+    assert tok.encode(PLACEHOLDER[kind], add_special_tokens=False).count(image_id) == 1
+    # The text vocabulary is the Llama demo's: image tokens come after it.
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 5
+    assert image_id >= 4096
+    raw = json.loads((vision_dir / "config.json").read_text())
+    assert "image_token_id" in raw or "image_token_index" in raw  # what the gateway reads
+
+
+def test_vision_weights_use_names_vllm_loads(vision_dir: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(vision_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for name in names:
+            assert str(f.get_slice(name).get_dtype()) == "F32", name
+    if vision_dir.name == "llava":
+        assert {
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "multi_modal_projector.linear_1.weight",
+            "language_model.model.embed_tokens.weight",
+            "language_model.lm_head.weight",
+        } <= names
+        assert not [n for n in names if n.startswith("model.")]
+    else:
+        assert {
+            "model.visual.patch_embed.proj.weight",
+            "model.visual.merger.mlp.0.weight",
+            "model.language_model.embed_tokens.weight",
+            "lm_head.weight",
+        } <= names
+
+
+def test_vision_transformers_loads_every_weight(vision_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    loaded: Any = AutoModelForImageTextToText.from_pretrained(
+        str(vision_dir), output_loading_info=True
+    )
+    model, info = loaded
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(model).__name__ == {
+        "llava": "LlavaForConditionalGeneration",
+        "qwen2-vl": "Qwen2VLForConditionalGeneration",
+    }[vision_dir.name]
+
+
+def test_vision_processor(vision_dir: Path) -> None:
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor: Any = AutoProcessor.from_pretrained(str(vision_dir))  # type: ignore[no-untyped-call]
+    pixels = processor.image_processor(images=[Image.new("RGB", (64, 48))], return_tensors="pt")
+    if vision_dir.name == "llava":
+        assert tuple(pixels["pixel_values"].shape) == (1, 3, 112, 112)
+    else:
+        assert pixels["image_grid_thw"].tolist() == [[1, 4, 4]]  # 56 x 56 after resizing
+
+
+def test_vision_chat_template(vision_dir: Path) -> None:
+    from transformers import AutoProcessor, AutoTokenizer
+
+    kind = vision_dir.name
+    image = PLACEHOLDER[kind]
+    messages: Any = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                {"type": "text", "text": "with"},
+                {"type": "image"},
+            ],
+        },
+    ]
+    tok: Any = AutoTokenizer.from_pretrained(str(vision_dir))
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == (
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n"
+        f"<|im_start|>user\nCompare\n{image}\nwith\n{image}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    processor: Any = AutoProcessor.from_pretrained(str(vision_dir))  # type: ignore[no-untyped-call]
+    assert processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == prompt
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert ids.count(tok.convert_tokens_to_ids(IMAGE_TOKEN[kind])) == 2
+    assert tok.decode(ids) == prompt
+    # Text-only content renders as for the Llama demo.
+    plain: Any = [{"role": "user", "content": [{"type": "text", "text": "One"},
+                                          {"type": "text", "text": "Two"}]}]
+    assert tok.apply_chat_template(plain, tokenize=False) == (
+        "<s><|im_start|>user\nOne\nTwo<|im_end|>\n"
+    )
+
+
+def test_cli_kind(tmp_path: Path) -> None:
+    from conveyor.cli import main
+
+    assert main(["demo-model", str(tmp_path / "q"), "--kind", "qwen2-vl"]) == 0
+    assert is_demo_model(tmp_path / "q", "qwen2-vl")
+    with pytest.raises(SystemExit):
+        main(["demo-model", str(tmp_path / "z"), "--kind", "gpt"])

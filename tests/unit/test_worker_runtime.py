@@ -102,6 +102,7 @@ class FakeEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: object = None,
     ) -> AsyncIterator[StepOutput]:
         self.requests.append((job_id, list(prompt_token_ids), sampling))
         self.handoffs.append(handoff)
@@ -155,6 +156,7 @@ class FakeEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: object = None,
     ) -> Handoff:
         raise NotImplementedError("the aggregated role never prefills")
 
@@ -944,6 +946,7 @@ class ProbeEngine(FakeEngine):
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: object = None,
     ) -> AsyncIterator[StepOutput]:
         self.requests.append((job_id, list(prompt_token_ids), sampling))
         if self.hang:

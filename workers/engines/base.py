@@ -23,6 +23,17 @@ Handoff = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """A prompt's images, in placeholder order: decoded RGB images (the language engine
+    runs the vision encoder itself) or embeddings an encode worker made."""
+
+    raw: tuple[Any, ...] = ()
+    """PIL images."""
+    embeddings: tuple[Any, ...] = ()
+    """:class:`workers.vision_encoder.ImageEmbedding` values."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one engine step produced for one sequence (deltas, not cumulative)."""
 
@@ -68,6 +79,7 @@ class Engine(Protocol):
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Stream the sequence's outputs; the last one has a ``finish_reason``.
 
@@ -88,6 +100,7 @@ class Engine(Protocol):
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> Handoff:
         """Prefill role: compute the prompt's KV cache and return the handoff for decode."""
         ...

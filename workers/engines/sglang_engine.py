@@ -58,7 +58,13 @@ from shared.errors import (
 )
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Settings
-from workers.engines.base import EngineInfo, Handoff, PromptTokenStats, StepOutput
+from workers.engines.base import (
+    EngineInfo,
+    Handoff,
+    PromptImages,
+    PromptTokenStats,
+    StepOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +328,9 @@ class SglangEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> AsyncIterator[StepOutput]:
+        _text_only(images)
         bootstrap = self._bootstrap_for_generate(handoff)
         params = sampling_params(sampling)
         # aclosing: an early aclose() of this generator must reach _stream's cleanup now
@@ -349,6 +357,7 @@ class SglangEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> Handoff:
         """Run the prompt into the handoff's bootstrap room; return when the KV is sent.
 
@@ -359,6 +368,7 @@ class SglangEngine:
         """
         if self.role != "prefill":
             raise EngineError(f"prefill() on an SGLang engine in role {self.role!r}")
+        _text_only(images)
         planned = handoff if handoff is not None else self.plan_handoff(job_id)
         assert planned is not None
         bootstrap = _bootstrap_fields(planned)
@@ -602,6 +612,12 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
     if options.seed is not None:
         params["sampling_seed"] = options.seed
     return params
+
+
+def _text_only(images: PromptImages | None) -> None:
+    if images is not None:
+        raise InvalidRequest("the SGLang backend of Conveyor does not take images yet; "
+                             "serve vision-language models with the vLLM engine")
 
 
 def prefill_options(options: SamplingOptions) -> SamplingOptions:

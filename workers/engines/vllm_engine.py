@@ -18,7 +18,14 @@ import msgspec
 from shared.errors import EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Role, Settings
-from workers.engines.base import EngineInfo, Handoff, PromptTokenStats, StepOutput
+from workers.engines.base import (
+    EngineInfo,
+    Handoff,
+    PromptImages,
+    PromptTokenStats,
+    StepOutput,
+)
+from workers.vision_encoder import to_vllm_input, vision_family
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class VllmEngine:
             # Per-step stats cost CPU beside the engine on every token; only prefill/decode
             # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
             disable_log_stats=kv_transfer is None,
+            **_vision_args(model_path, settings),
         )
         self.prompt_stats = PromptTokenStats()
         self._llm = AsyncLLM.from_engine_args(
@@ -57,6 +65,7 @@ class VllmEngine:
         if kv_transfer is not None and settings.pin_kv_engines:
             pin_process_tree(engine_cores(settings))
         config = self._llm.model_config
+        self._vision_family = vision_family(model_path)
         self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
 
     async def generate(
@@ -66,18 +75,16 @@ class VllmEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> AsyncIterator[StepOutput]:
         from vllm.exceptions import VLLMValidationError
-        from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = _sampling_params(sampling)
         if handoff is not None:
             params.extra_args = {"kv_transfer_params": handoff}
         try:
-            stream = self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
-            )
+            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
             async for output in stream:
                 completion = output.outputs[0]
                 yield StepOutput(
@@ -96,6 +103,23 @@ class VllmEngine:
         except EngineGenerateError as exc:
             raise EngineError(f"generation failed: {exc}") from exc
 
+    def _prompt(self, prompt_token_ids: list[int], images: PromptImages | None) -> Any:
+        """Token ids holding each image's single, unexpanded placeholder, plus the images:
+        vLLM expands the placeholders itself (expanded ids would be expanded again)."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        if images is None:
+            return prompt
+        if self._vision_family is None:
+            raise InvalidRequest("this model does not take images")
+        if images.embeddings:
+            data = to_vllm_input(list(images.embeddings), self._vision_family)
+        else:
+            data = list(images.raw)
+        prompt["multi_modal_data"] = {"image": data}
+        return prompt
+
     def plan_handoff(self, job_id: str) -> Handoff | None:
         return None  # vLLM's kv_transfer_params exist only once prefill has run
 
@@ -106,18 +130,16 @@ class VllmEngine:
         sampling: SamplingOptions,
         *,
         handoff: Handoff | None = None,
+        images: PromptImages | None = None,
     ) -> Handoff:
         """Run the prompt with max_tokens=1 and keep its KV for a remote decode."""
-        from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = _sampling_params(msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0))
         params.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
         result: Handoff | None = None
         try:
-            stream = self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
-            )
+            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
             async for output in stream:
                 if output.kv_transfer_params is not None:
                     result = dict(output.kv_transfer_params)
@@ -199,6 +221,16 @@ def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
             pass
 
     return PromptStatsLogger
+
+
+def _vision_args(model_path: str, settings: Settings) -> dict[str, Any]:
+    """Vision-language models also take image embeddings made by an encode worker."""
+    if vision_family(model_path) is None:
+        return {}
+    return {
+        "enable_mm_embeds": True,
+        "limit_mm_per_prompt": {"image": settings.max_images_per_request},
+    }
 
 
 def _kv_transfer_config(settings: Settings) -> Any:
