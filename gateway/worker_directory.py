@@ -72,5 +72,11 @@ class WorkerDirectory:
             return "decode"
         return None
 
+    def answers(self, model: str, kind: str) -> bool:
+        """Whether a request can run to the end: an encode worker alone cannot answer."""
+        if kind == "embed":
+            return bool(self.serving(model, "embed"))
+        return any(self.serving(model, role) for role in ("aggregated", "decode"))
+
     def all(self) -> list[WorkerRegistration]:
         return list(self._workers)

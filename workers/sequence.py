@@ -22,7 +22,7 @@ from shared.errors import (
     InvalidRequest,
 )
 from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
-from workers.engines.base import Engine, PromptImages
+from workers.engines.base import Engine, PromptImages, StepOutput
 from workers.journal import RunJournal, RunLease
 from workers.prompt_images import PromptImageLoader
 
@@ -145,5 +145,10 @@ class SequenceRun:
                 )
                 self._journal.publish(self.lease, event, step.token_ids)
             if step.finish_reason is not None:
-                return step.finish_reason, len(job.prompt_token_ids)
+                return step.finish_reason, self._prompt_tokens(step)
         return "abort", len(job.prompt_token_ids)
+
+    def _prompt_tokens(self, step: StepOutput) -> int:
+        """Usage counts the prompt the engine ran: with images, their expanded tokens too
+        (less the emitted tokens a resumed run appended)."""
+        return max(len(self.job.prompt_token_ids), step.prompt_tokens - len(self.lease.emitted))

@@ -33,7 +33,7 @@ async def ready(state: StateDep) -> JSONResponse:
     for model in state.catalog.all():
         workers = state.directory.serving(model.name)
         models[model.name] = {"workers": len(workers)}
-        if not workers:
+        if not state.directory.answers(model.name, model.kind.value):
             problems.append(f"no live worker serves {model.name}")
     body = {"ready": not problems, "problems": problems, "models": models}
     return JSONResponse(body, status_code=200 if not problems else 503)

@@ -45,3 +45,14 @@ def test_forget_dead_process_removes_only_that_process() -> None:
     finally:
         client.flushdb()
         client.close()
+
+
+def test_up_puts_an_encode_worker_in_front_of_either_mode() -> None:
+    from conveyor.cli import worker_roles
+    from shared.settings import Mode, Settings
+
+    assert worker_roles(Settings(encode=True)) == ["encode", "aggregated"]
+    assert worker_roles(Settings(encode=True, mode=Mode.DISAGGREGATED, workers=2)) == [
+        "encode", "prefill", "decode", "prefill", "decode"
+    ]
+    assert worker_roles(Settings(embed_model="default")) == ["aggregated", "embed"]
