@@ -122,6 +122,7 @@ def measure(name: str, flags: list[str], args: argparse.Namespace, model: Path,
         for i in range(args.requests):
             warm.append(ttft_ms(client, "bench-vl", f"again {i} {words[(i + 3) % 6]}",
                                 f"{base}/{i}.png", args.output_tokens))
+        time.sleep(1.5)  # the encode worker's next heartbeat carries the last counts
         hits = _cache_hits(f"redis://127.0.0.1:6379/{db}")
     print(f"  {name}: cold p50 {percentile(cold, 50):.1f} ms, warm p50 "
           f"{percentile(warm, 50):.1f} ms", flush=True)
