@@ -78,5 +78,14 @@ class WorkerDirectory:
             return bool(self.serving(model, "embed"))
         return any(self.serving(model, role) for role in ("aggregated", "decode"))
 
+    def pools(self) -> dict[str, dict[str, int]]:
+        """Ready, non-draining workers per model and role: what routing can use now."""
+        pools: dict[str, dict[str, int]] = {}
+        for w in self._workers:
+            if w.ready and not w.draining:
+                roles = pools.setdefault(w.model, {})
+                roles[w.role] = roles.get(w.role, 0) + 1
+        return pools
+
     def all(self) -> list[WorkerRegistration]:
         return list(self._workers)

@@ -47,4 +47,5 @@ async def admin_state(state: StateDep) -> dict[str, Any]:
         "draining": state.draining,
         "open_requests": state.router.open_requests(),
         "workers": [w.worker_id for w in state.directory.all()],
+        "pools": state.directory.pools(),
     }

@@ -47,17 +47,20 @@ def pd(running: Running) -> Iterator[Disaggregated]:
     _GATEWAY_URL[:] = [url]
     _wait_for_roles(running, {"prefill", "decode"}, [prefill, decode])
     yield Disaggregated(url, prefill, decode)
-    for process in (gateway, decode, prefill):
+    # Idle NIXL engines keep UCX progress threads spinning: stop every P/D process here,
+    # replacements included, so later modules get the CPU back.
+    for process in (gateway, *reversed(_RESTARTED), decode, prefill):
         process.stop()
 
 
 _GATEWAY_URL: list[str] = []
+_RESTARTED: list[Process] = []
 
 
 def _gateway_sees(roles: set[str]) -> bool:
     """The gateway refreshes its worker list every second: wait until it has them too."""
-    state = httpx.get(f"{_GATEWAY_URL[0]}/admin/state", timeout=10).json()
-    return all(any(w.startswith(f"{role}-") for w in state["workers"]) for role in roles)
+    pools = httpx.get(f"{_GATEWAY_URL[0]}/admin/state", timeout=10).json()["pools"]
+    return all(pools.get(PD_MODEL, {}).get(role) for role in roles)
 
 
 def _wait_for_roles(running: Running, roles: set[str], processes: list[Process]) -> None:
@@ -235,6 +238,7 @@ def _restart(running: Running, role: str) -> Process:
     env = {"CONVEYOR_SERVED_MODEL_NAME": PD_MODEL}
     process = running.stack.start_worker(f"{role}-restarted-{time.monotonic_ns()}", role=role,
                                          **env)
+    _RESTARTED.append(process)
     _wait_for_roles(running, {role}, [process])
     return process
 

@@ -185,8 +185,8 @@ def _wait_for_roles(vision: Vision, roles: set[str], processes: list[Process]) -
     while time.monotonic() < deadline:
         for process in processes:
             assert process.popen.poll() is None, process.log_tail()
-        state = httpx.get(f"{vision.base_url}/admin/state", timeout=10).json()
-        if all(any(w.startswith(f"{role}-") for w in state["workers"]) for role in roles):
+        pools = httpx.get(f"{vision.base_url}/admin/state", timeout=10).json()["pools"]
+        if all(pools.get(vision.name, {}).get(role) for role in roles):
             return
         time.sleep(0.5)
     raise TimeoutError(f"roles {roles} not live")
