@@ -39,9 +39,13 @@ class WorkerRegistry:
     async def beat(self, registration: WorkerRegistration) -> None:
         await self._redis.set(
             keys.worker_heartbeat(registration.worker_id),
-            msgspec.json.encode(registration),
+            self.encode(registration),
             px=int(self.ttl_s * 1000),
         )
+
+    @staticmethod
+    def encode(registration: WorkerRegistration) -> bytes:
+        return msgspec.json.encode(registration)
 
     async def remove(self, worker_id: str) -> None:
         await self._redis.delete(keys.worker_heartbeat(worker_id))

@@ -151,9 +151,9 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="Engine dtype (auto, float32, bfloat16, ...).")
     kv_cache_gib: float = Field(1.0, description="KV cache size per CPU worker, GiB.")
     heartbeat_ttl_s: float = Field(
-        2.5,
+        1.5,
         description="A worker not heard from for this long counts as dead (its jobs are "
-        "then reclaimed); heartbeats go out every quarter of it.",
+        "then reclaimed); a thread beats every quarter of it, through event-loop stalls.",
     )
     gateway_liveness_ttl_s: float = Field(
         10.0,

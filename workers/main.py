@@ -81,6 +81,7 @@ async def serve(settings: Settings) -> int:
             migration_limit=settings.migration_limit,
             canary_idle_s=settings.canary_idle_s,
             gateway_grace_s=settings.gateway_liveness_ttl_s,
+            heartbeat_redis_url=settings.redis_url,
         ),
         images=PromptImageLoader(
             ImageStore(redis), embedding_store(settings.embedding_transport, redis)

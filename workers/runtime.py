@@ -40,6 +40,7 @@ from workers.encode import EncodeRun
 from workers.engines.base import Engine
 from workers.engines.vision_engine import VisionEngine
 from workers.gateway_watch import GatewayWatch
+from workers.heartbeat import HeartbeatThread
 from workers.intake import IntakePolicy, Verdict, client_gone, decide
 from workers.journal import RunJournal, RunLease
 from workers.prefill import PrefillRun
@@ -69,6 +70,8 @@ class WorkerPolicy:
     canary_idle_s: float = 10.0
     read_block_ms: int = 1000
     gateway_grace_s: float = 10.0
+    heartbeat_redis_url: str | None = None
+    """Set: beat from a thread with its own connection to this Redis (see heartbeat.py)."""
 
 
 class WorkerRuntime:
@@ -390,27 +393,37 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------- health
 
+    def _registration(self) -> WorkerRegistration:
+        return WorkerRegistration(
+            worker_id=self.worker_id,
+            role=self._role,
+            model=self._engine.info.model,
+            max_model_len=self._engine.info.max_model_len,
+            active=len(self._active),
+            engine_running=self._engine.running(),
+            slots=self._policy.max_slots,
+            draining=self._stopping.is_set(),
+            ready=self._canary.healthy,
+            can_decode_alone=self._engine.info.can_decode_alone,
+            prompt_tokens_computed=self._engine.prompt_stats.computed,
+            prompt_tokens_transferred=self._engine.prompt_stats.transferred,
+            kv_transfers=self._engine.prompt_stats.kv_transfers,
+            kv_transfer_s=round(self._engine.prompt_stats.kv_transfer_s, 6),
+            embedding_cache=self._embedding_cache_stats(),
+        )
+
     async def _heartbeat(self) -> None:
-        while True:
-            registration = WorkerRegistration(
-                worker_id=self.worker_id,
-                role=self._role,
-                model=self._engine.info.model,
-                max_model_len=self._engine.info.max_model_len,
-                active=len(self._active),
-                engine_running=self._engine.running(),
-                slots=self._policy.max_slots,
-                draining=self._stopping.is_set(),
-                ready=self._canary.healthy,
-                can_decode_alone=self._engine.info.can_decode_alone,
-                prompt_tokens_computed=self._engine.prompt_stats.computed,
-                prompt_tokens_transferred=self._engine.prompt_stats.transferred,
-                kv_transfers=self._engine.prompt_stats.kv_transfers,
-                kv_transfer_s=round(self._engine.prompt_stats.kv_transfer_s, 6),
-                embedding_cache=self._embedding_cache_stats(),
-            )
+        if self._policy.heartbeat_redis_url is not None:
+            await HeartbeatThread(
+                self._policy.heartbeat_redis_url,
+                keys.worker_heartbeat(self.worker_id),
+                self._registry.ttl_s,
+                lambda: self._registry.encode(self._registration()),
+            ).run()
+            return
+        while True:  # from the event loop (tests on fake Redis)
             try:
-                await self._registry.beat(registration)
+                await self._registry.beat(self._registration())
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self._registry.ttl_s / 4)

@@ -21,22 +21,32 @@ class Report:
     seq_gaps: int
     identical: int
     compared: int
-    recovery_s: float | None
+    longest_pause_s: float | None
+    outage_s: float = 0.0
+    """How long the fault itself kept the service down on purpose (a 3 s Redis stall)."""
+
+    @property
+    def recovery_s(self) -> float | None:
+        """From the end of the fault to the stream's next token (the longest such wait)."""
+        if self.longest_pause_s is None:
+            return None
+        return max(0.0, self.longest_pause_s - self.outage_s)
 
     @property
     def identical_pct(self) -> float:
         return 100.0 * self.identical / self.compared if self.compared else 100.0
 
     def row(self) -> str:
+        pause = "-" if self.longest_pause_s is None else f"{self.longest_pause_s:.2f}"
         recovery = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
         return (f"| {self.scenario} | {self.sent} | {self.completed} | {self.failed_clean} | "
                 f"{self.rejected} | {self.hung} | {self.tokens_lost} | {self.tokens_duplicated} | "
-                f"{self.seq_gaps} | {self.identical_pct:.0f}% | {recovery} |")
+                f"{self.seq_gaps} | {self.identical_pct:.0f}% | {pause} | {recovery} |")
 
 
 HEADER = ("| scenario | sent | completed | failed (clean error) | rejected (429/503) | hung | "
           "tokens lost | tokens duplicated | seq gaps | identical to fault-free | "
-          "recovery s |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "longest pause s | recovery s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def check(
@@ -44,6 +54,7 @@ def check(
     records: list[Record],
     baseline: dict[int, list[int]],
     fault_at: float | None,
+    outage_s: float = 0.0,
 ) -> Report:
     completed = [r for r in records if r.status == "completed"]
     lost = dup = gaps = identical = 0
@@ -70,11 +81,12 @@ def check(
         seq_gaps=gaps,
         identical=identical,
         compared=sum(1 for r in completed if r.prompt_index in baseline),
-        recovery_s=_recovery(records, fault_at),
+        longest_pause_s=_longest_pause(records, fault_at),
+        outage_s=outage_s,
     )
 
 
-def _recovery(records: list[Record], fault_at: float | None) -> float | None:
+def _longest_pause(records: list[Record], fault_at: float | None) -> float | None:
     """Longest stall, across requests streaming when the fault hit, after the fault.
 
     For each such request: the longest gap between consecutive tokens from the last

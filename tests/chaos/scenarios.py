@@ -43,7 +43,7 @@ async def run_with_fault(
     fault_at = time.monotonic()
     await fault(cluster)
     records: list[Record] = await load
-    return check(name, records, reference, fault_at)
+    return check(name, records, reference, fault_at, OUTAGE_S.get(name, 0.0))
 
 
 async def _until_every_worker_streams(cluster: Cluster, timeout_s: float = 60) -> None:
@@ -138,6 +138,12 @@ SCENARIOS: dict[str, Fault] = {
     "redis stall (DEBUG SLEEP 3)": stall_redis,
     "engine process killed": kill_engine,
 }
+
+OUTAGE_S: dict[str, float] = {
+    "redis SIGKILL (AOF)": 0.5,
+    "redis stall (DEBUG SLEEP 3)": 3.0,
+}
+"""Downtime a fault imposes on purpose; recovery is counted from its end."""
 
 
 # ------------------------------------------------------- load-shape scenarios

@@ -1,0 +1,51 @@
+"""The worker heartbeat thread against the real Redis: it beats through event-loop stalls,
+stops when the loop has been stuck too long, and never beats after it was stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from tests.conftest import REAL_REDIS_URL, _require_real_redis
+from workers.heartbeat import HeartbeatThread
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def client() -> redis.Redis:
+    _require_real_redis(REAL_REDIS_URL)
+    return redis.Redis.from_url(REAL_REDIS_URL)
+
+
+async def test_beats_through_a_blocked_event_loop(client: redis.Redis) -> None:
+    key = f"test:heartbeat:{uuid.uuid4().hex}"
+    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
+    task = asyncio.create_task(beater.run())
+    await asyncio.sleep(0.2)
+    # The loop is stuck (on purpose) for three TTLs: the thread keeps the key alive.
+    time.sleep(1.2)  # noqa: ASYNC251
+    assert client.get(key) == b"alive"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    client.delete(key)
+    await asyncio.sleep(0.3)
+    assert client.get(key) is None, "a beat landed after the heartbeat was stopped"
+
+
+async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
+    key = f"test:heartbeat:{uuid.uuid4().hex}"
+    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive",
+                             loop_stall_limit_s=0.5)
+    task = asyncio.create_task(beater.run())
+    await asyncio.sleep(0.2)
+    assert client.get(key) == b"alive"
+    # Stuck (on purpose) past the stall limit plus a TTL: the key has expired.
+    time.sleep(1.5)  # noqa: ASYNC251
+    assert client.get(key) is None
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
