@@ -89,12 +89,20 @@ class ImageFetcher:
             return self._decode_data_url(url)
         running = self._inflight.get(url)
         if running is not None:
-            return await asyncio.shield(running)
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                if not running.cancelled():
+                    raise  # this request was cancelled
+                # the request that was downloading left: download it here
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._inflight[url] = future
         try:
             data = await self._download(url)
-        except BaseException as exc:
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: no "never retrieved" warning without waiters
             raise

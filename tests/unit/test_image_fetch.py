@@ -208,3 +208,19 @@ async def test_concurrent_fetches_of_one_url_share_a_download(server: str) -> No
         await fetcher.aclose()
     assert results == [PNG] * 5
     assert len(_Handler.hits) == hits + 1
+
+
+async def test_a_waiter_survives_the_downloader_leaving(server: str) -> None:
+    import asyncio
+
+    fetcher = ImageFetcher(_policy())
+    try:
+        first = asyncio.create_task(fetcher.fetch(f"{server}/shared.png"))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(fetcher.fetch(f"{server}/shared.png"))
+        await asyncio.sleep(0)
+        first.cancel()
+        assert await second == PNG
+        assert first.cancelled()
+    finally:
+        await fetcher.aclose()
