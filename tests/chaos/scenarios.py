@@ -50,7 +50,7 @@ async def _until_every_worker_streams(cluster: Cluster, timeout_s: float = 60) -
     """Inject faults mid-stream: wait until every worker runs jobs, then a little more.
 
     Pull balancing can hand one worker nearly all of a burst (a cold, just-restarted
-    worker takes one job and finishes it), so after a few seconds it is enough that
+    worker takes one job and finishes it), so after half a second it is enough that
     some worker streams: the fault then still lands mid-stream, not after the load.
     """
     started = time.monotonic()
@@ -58,10 +58,10 @@ async def _until_every_worker_streams(cluster: Cluster, timeout_s: float = 60) -
         running = [int(str(w["engine_running"])) for w in cluster.live_workers()]
         if running and all(running):
             break
-        if time.monotonic() - started > 2.0 and any(running):
+        if time.monotonic() - started > 0.5 and any(running):
             break
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(1.0)
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # the whole load streams for ~3 s: land well inside it
 
 
 # ------------------------------------------------------------------------ faults
