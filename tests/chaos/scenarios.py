@@ -66,6 +66,9 @@ async def _until_every_worker_streams(cluster: Cluster, timeout_s: float = 60) -
 
 # ------------------------------------------------------------------------ faults
 
+RESTART_DELAY_S = 1.0
+"""`conveyor up` restarts a dead worker after 1 s (then 2, 4, ... s): do the same."""
+
 
 def _busiest_worker(cluster: Cluster) -> str:
     loads = {str(w["worker_id"]): int(str(w["active"])) for w in cluster.live_workers()}
@@ -84,6 +87,7 @@ async def kill_worker(cluster: Cluster) -> None:
     # worker leaves the registry so the others reclaim its jobs without waiting.
     cluster.workers[name].kill_group()
     forget_dead_process(cluster.redis_url, pid)
+    await asyncio.sleep(RESTART_DELAY_S)
     cluster.start_worker(name)
 
 
@@ -94,6 +98,7 @@ async def term_worker(cluster: Cluster) -> None:
     cluster.workers[name].kill_group()
     if code != 0:
         raise RuntimeError(f"SIGTERM'd worker exited {code}")
+    await asyncio.sleep(RESTART_DELAY_S)
     cluster.start_worker(name)
 
 
@@ -127,6 +132,7 @@ async def kill_engine(cluster: Cluster) -> None:
     cluster.workers[name].kill_group()
     if code == 0:
         raise RuntimeError("a worker whose engine died must exit non-zero")
+    await asyncio.sleep(RESTART_DELAY_S)
     cluster.start_worker(name)
 
 
