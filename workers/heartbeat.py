@@ -23,6 +23,8 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
+SLOW_BEAT_S = 0.5
+"""A SET taking this long means Redis (not this process's event loop) stalled."""
 
 
 class HeartbeatThread:
@@ -44,6 +46,9 @@ class HeartbeatThread:
         self._payload = payload
         self._stall_limit_s = loop_stall_limit_s
         self._last_tick = time.monotonic()
+        self._beat_started = 0.0
+        self._beat_busy = False
+        self._slow_beat_at = -1e9
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
 
@@ -72,9 +77,24 @@ class HeartbeatThread:
             self._stop.wait(self._interval_s)
 
     def _beat(self) -> None:
+        self._beat_started = time.monotonic()
+        self._beat_busy = True
         try:
             self._client.set(self._key, self._payload(), px=self._ttl_ms)
         except RedisError as exc:
+            self._slow_beat_at = time.monotonic()
             log.warning("heartbeat failed: %s", exc)
         except Exception:  # a payload that cannot be built must not kill the heartbeat
             log.exception("heartbeat payload failed")
+        finally:
+            self._beat_busy = False
+        if time.monotonic() - self._beat_started > SLOW_BEAT_S:
+            self._slow_beat_at = time.monotonic()
+
+    def redis_stalled(self, within_s: float) -> bool:
+        """Whether Redis stalled lately: a beat hangs now, or one was slow or failed in the
+        last ``within_s``. Then every worker's heartbeat may have lapsed, live ones too."""
+        now = time.monotonic()
+        if self._beat_busy and now - self._beat_started > SLOW_BEAT_S:
+            return True
+        return now - self._slow_beat_at < within_s

@@ -97,6 +97,12 @@ class WorkerRuntime:
         self._queue = JobQueue(redis)
         self._journal = RunJournal(redis, consumer=worker_id, on_fenced=self._fence)
         self._registry = WorkerRegistry(redis, ttl_s=policy.heartbeat_ttl_s)
+        self._heartbeat_thread = None if policy.heartbeat_redis_url is None else HeartbeatThread(
+            policy.heartbeat_redis_url,
+            keys.worker_heartbeat(worker_id),
+            policy.heartbeat_ttl_s,
+            lambda: self._registry.encode(self._registration()),
+        )
         self._canary = Canary(
             engine,
             idle_s=policy.canary_idle_s,
@@ -322,10 +328,10 @@ class WorkerRuntime:
             started = time.monotonic()
             try:
                 await self._refresh_ownership()
-                # Far more than a tick since the last pass began: Redis or this process
-                # stalled, and every heartbeat may have lapsed meanwhile, the live
-                # workers' too. Let them beat again before calling anyone dead.
-                if time.monotonic() - previous_start > JANITOR_INTERVAL_S + STALL_S:
+                # Redis stalled (or, with no heartbeat thread, this process did): every
+                # heartbeat may have lapsed meanwhile, the live workers' too. Let them
+                # beat again before calling anyone dead.
+                if self._stalled(time.monotonic() - previous_start):
                     hold_reclaim_until = time.monotonic() + self._policy.heartbeat_ttl_s
                     log.warning("Redis or this worker stalled; no reclaim for %.1fs while "
                                 "heartbeats resume", self._policy.heartbeat_ttl_s)
@@ -337,6 +343,11 @@ class WorkerRuntime:
             except RedisError as exc:
                 log.warning("janitor pass failed: %s", exc)
             previous_start = started
+
+    def _stalled(self, since_previous_pass_s: float) -> bool:
+        if self._heartbeat_thread is not None:  # its beats time Redis itself
+            return self._heartbeat_thread.redis_stalled(within_s=self._policy.heartbeat_ttl_s)
+        return since_previous_pass_s > JANITOR_INTERVAL_S + STALL_S
 
     async def _refresh_ownership(self) -> None:
         leases = [run.lease for run, _ in self._active.values()]
@@ -413,13 +424,8 @@ class WorkerRuntime:
         )
 
     async def _heartbeat(self) -> None:
-        if self._policy.heartbeat_redis_url is not None:
-            await HeartbeatThread(
-                self._policy.heartbeat_redis_url,
-                keys.worker_heartbeat(self.worker_id),
-                self._registry.ttl_s,
-                lambda: self._registry.encode(self._registration()),
-            ).run()
+        if self._heartbeat_thread is not None:
+            await self._heartbeat_thread.run()
             return
         while True:  # from the event loop (tests on fake Redis)
             try:
