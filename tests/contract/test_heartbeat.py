@@ -49,3 +49,20 @@ async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
     assert client.get(key) is None
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_redis_stall_is_noticed_but_a_busy_loop_is_not(client: redis.Redis) -> None:
+    key = f"test:heartbeat:{uuid.uuid4().hex}"
+    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
+    task = asyncio.create_task(beater.run())
+    await asyncio.sleep(0.3)
+    time.sleep(1.0)  # noqa: ASYNC251 (a starved event loop, on purpose)
+    assert not beater.redis_stalled(within_s=2.0)
+    client.client_pause(1200)  # Redis answers no other client for 1.2 s
+    await asyncio.sleep(0.9)
+    assert beater.redis_stalled(within_s=2.0)  # a beat hangs right now
+    await asyncio.sleep(0.6)
+    assert beater.redis_stalled(within_s=2.0)  # and it was slow, a moment ago
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    client.delete(key)
