@@ -188,7 +188,11 @@ class WorkerRuntime:
         with contextlib.suppress(RedisError):
             await self._journal.flush()
             failed = self.engine_dead or self.journal_failed
-            handed = [await self._journal.hand_back(lease, failed=failed) for lease in leases]
+            # All at once: a dying worker's loop may be slow, and the jobs' next worker
+            # should get them in one read, not one by one.
+            handed = await asyncio.gather(
+                *(self._journal.hand_back(lease, failed=failed) for lease in leases)
+            )
             log.info("handed %d unfinished jobs back to the queue", sum(handed))
 
     # ---------------------------------------------------------------- consuming
