@@ -35,6 +35,10 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         env = "CONVEYOR_" + name.upper()
         default = info.default
         help_text = f"{info.description or ''} [env {env}; default {default}]"
+        if info.annotation is bool:  # `--encode` alone means true; `--encode false` works too
+            group.add_argument(flag, dest=name, default=None, help=help_text, metavar="BOOL",
+                               nargs="?", const="true")
+            continue
         group.add_argument(flag, dest=name, default=None, help=help_text, metavar="VALUE")
 
 

@@ -56,3 +56,11 @@ def test_up_puts_an_encode_worker_in_front_of_either_mode() -> None:
         "encode", "prefill", "decode", "prefill", "decode"
     ]
     assert worker_roles(Settings(embed_model="default")) == ["aggregated", "embed"]
+
+
+def test_boolean_settings_are_bare_flags() -> None:
+    from conveyor.cli import build_parser, settings_from
+
+    assert settings_from(build_parser().parse_args(["up", "--encode"])).encode is True
+    assert settings_from(build_parser().parse_args(["up", "--encode", "false"])).encode is False
+    assert settings_from(build_parser().parse_args(["up", "--port", "9001"])).encode is False
