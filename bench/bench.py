@@ -32,11 +32,14 @@ from bench.servers import (
     conveyor_server,
     drop_stale_jobs,
     kv_transfers,
+    parse_env,
     running,
     vllm_server,
+    with_db,
 )
 
 DEFAULT_MODEL = Path("/tmp/demo-model")
+VARIANT_DB = 7  # --variant servers use Redis dbs 7, 8, ... of --redis-url's server
 WARMUP_KEY_BASE = 1_000_000  # warm-up prompts never repeat a measured prompt
 REGISTRY_BEAT_S = 1.2
 SETTLE_S = 1.5
@@ -65,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pd-redis-url", default="redis://127.0.0.1:6379/6",
                         help="Redis db of the disaggregated Conveyor (kept apart from the "
                         "aggregated one's)")
+    parser.add_argument("--vllm-env", default=None, metavar="KEY=VALUE,...",
+                        help="with --compare: also run vLLM's server with these environment "
+                        "variables (as 'vllm-tuned'), e.g. the engine placement Conveyor uses")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="also run Conveyor with these environment variables (as "
+                        "'conveyor-NAME', on its own Redis db); repeatable")
     parser.add_argument("--interleave", action="store_true",
                         help="with --compare: run both servers at once and alternate rounds, "
                         "so background load from other processes hits both alike")
@@ -173,9 +182,20 @@ def run(args: argparse.Namespace) -> int:
         servers.append(conveyor_server(model, args.served_model_name, args.pd_redis_url,
                                        args.dtype, args.max_num_seqs, log_dir,
                                        mode="disaggregated"))
+    for number, spec in enumerate(args.variant):
+        variant, _, env = spec.partition(":")
+        redis_url = with_db(args.redis_url, VARIANT_DB + number)
+        drop_stale_jobs(redis_url, args.served_model_name)
+        servers.append(conveyor_server(model, args.served_model_name, redis_url, args.dtype,
+                                       args.max_num_seqs, log_dir, variant=variant,
+                                       env_overrides=parse_env(env)))
     if args.compare:
         servers.append(vllm_server(model, args.served_model_name, args.dtype,
                                    args.max_num_seqs, log_dir))
+        if args.vllm_env:
+            servers.append(vllm_server(model, args.served_model_name, args.dtype,
+                                       args.max_num_seqs, log_dir, name="vllm-tuned",
+                                       env_overrides=parse_env(args.vllm_env)))
     groups = [servers] if args.interleave else [[server] for server in servers]
     measurements: list[Measurement] = []
     for group in groups:

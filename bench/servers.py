@@ -134,11 +134,15 @@ def running(server: ManagedServer, startup_timeout_s: float) -> Iterator[Managed
 
 def conveyor_server(
     model: Path, served_name: str, redis_url: str, dtype: str, max_num_seqs: int, log_dir: Path,
-    *, mode: str = "aggregated",
+    *, mode: str = "aggregated", variant: str | None = None,
+    env_overrides: dict[str, str] | None = None,
 ) -> ManagedServer:
-    """``conveyor up``: one aggregated worker, or (``mode="disaggregated"``) prefill + decode."""
+    """``conveyor up``: one aggregated worker, or (``mode="disaggregated"``) prefill + decode;
+    a ``variant`` is another aggregated one with ``env_overrides`` (named conveyor-VARIANT)."""
     port = free_port()
     name = "conveyor" if mode == "aggregated" else "conveyor-pd"
+    if variant is not None:
+        name = f"conveyor-{variant}"
     script = Path(sys.executable).with_name("conveyor")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "conveyor.cli"]
     command += [
@@ -146,12 +150,13 @@ def conveyor_server(
         "--redis-url", redis_url, "--workers", "1", "--data-dir", str(log_dir / "conveyor-data"),
         "--dtype", dtype, "--worker-max-slots", str(max_num_seqs), "--mode", mode,
     ]
-    env = dict(os.environ)
+    env = {**os.environ, **(env_overrides or {})}
     return ManagedServer(name, command, env, port, "/ready", log_dir / f"{name}.log")
 
 
 def vllm_server(
-    model: Path, served_name: str, dtype: str, max_num_seqs: int, log_dir: Path
+    model: Path, served_name: str, dtype: str, max_num_seqs: int, log_dir: Path,
+    *, name: str = "vllm", env_overrides: dict[str, str] | None = None,
 ) -> ManagedServer:
     port = free_port()
     command = [
@@ -161,8 +166,20 @@ def vllm_server(
         "--enforce-eager", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
     ]
     # Conveyor's worker does the same (setdefault from --kv-cache-gib, default 1 GiB).
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
-    return ManagedServer("vllm", command, env, port, "/v1/models", log_dir / "vllm.log")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env_overrides or {})}
+    return ManagedServer(name, command, env, port, "/v1/models", log_dir / f"{name}.log")
+
+
+def parse_env(spec: str) -> dict[str, str]:
+    """``KEY=VALUE,KEY=VALUE`` -> a dict (``--vllm-env``, ``--variant``)."""
+    pairs = [item.partition("=") for item in spec.split(",") if item]
+    if any(not key or not sep for key, sep, _ in pairs):
+        raise ValueError(f"expected KEY=VALUE[,KEY=VALUE...], got {spec!r}")
+    return {key: value for key, _, value in pairs}
+
+
+def with_db(redis_url: str, db: int) -> str:
+    return f"{redis_url.rsplit('/', 1)[0]}/{db}"
 
 
 def drop_stale_jobs(redis_url: str, served_name: str) -> None:

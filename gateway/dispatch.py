@@ -294,7 +294,9 @@ class RequestHandle:
         try:
             return self._queue.get_nowait()  # the common case under load: no timer, no task
         except asyncio.QueueEmpty:
-            return await asyncio.wait_for(self._queue.get(), wait_s)
+            # A timeout scope, not wait_for: no task per event while a stream waits.
+            async with asyncio.timeout(wait_s):
+                return await self._queue.get()
 
     def has_buffered(self) -> bool:
         """Events already arrived and not yet yielded (a writer can batch them)."""

@@ -17,12 +17,16 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import redis.asyncio as aioredis
 
 from shared import keys
 from shared.errors import ConveyorError
+from shared.images import DecodedImageCache, decode_rgb
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 class MediaMissing(ConveyorError):
@@ -49,6 +53,21 @@ class ImageStore:
         if not isinstance(data, bytes):
             raise MediaMissing(f"image {digest[:12]} expired before it was used; retry")
         return data
+
+
+class DecodedImages:
+    """Stored images by content hash, decoded to RGB once: an LRU in front of the store."""
+
+    def __init__(self, store: ImageStore, cache_bytes: int) -> None:
+        self._store = store
+        self._decoded = DecodedImageCache(cache_bytes)
+
+    async def get(self, digest: str) -> Image:
+        image = self._decoded.get(digest)
+        if image is None:
+            image = await asyncio.to_thread(decode_rgb, await self._store.get(digest))
+            self._decoded.put(digest, image)
+        return image
 
 
 class EmbeddingStore(Protocol):

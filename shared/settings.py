@@ -134,8 +134,14 @@ class Settings(BaseSettings):
     )
     cpu_omp_threads_bind: str | None = Field(
         None,
-        description="Cores (e.g. '0' or '0-3') of a prefill/decode engine (default: prefill "
-        "takes the lower half of this machine's cores, decode the upper half).",
+        description="CPU engines: the cores (e.g. '1' or '1-3') of the model's threads "
+        "(default: prefill takes the lower half of this machine's cores, decode the upper "
+        "half, any other engine every core but the first, left to the event loops).",
+    )
+    cpu_engine_in_process: bool = Field(
+        True,
+        description="CPU engines other than prefill/decode: run the model inside vLLM's "
+        "engine-core process (no separate model-worker process to cross every step).",
     )
     pin_kv_engines: bool = Field(
         True,

@@ -18,8 +18,7 @@ import msgspec
 
 from shared import keys
 from shared.errors import ConveyorError, EngineDead
-from shared.images import DecodedImageCache, decode_rgb
-from shared.media_store import EmbeddingStore, ImageStore
+from shared.media_store import DecodedImages, EmbeddingStore, ImageStore
 from shared.protocol import GenerateJob, ImageRef
 from workers.embedding_cache import EmbeddingCache
 from workers.journal import RunJournal, RunLease
@@ -43,10 +42,9 @@ class ImageEncoding:
         cache: EmbeddingCache,
     ) -> None:
         self._encoder = encoder
-        self._images = images
         self._embeddings = embeddings
         self.cache = cache
-        self._decoded = DecodedImageCache(64 * 1024 * 1024)
+        self._decoded = DecodedImages(images, 64 * 1024 * 1024)
         self._inflight: dict[str, asyncio.Task[bytes]] = {}
         self._one_at_a_time = asyncio.Lock()
 
@@ -65,10 +63,7 @@ class ImageEncoding:
         return await asyncio.shield(task)
 
     async def _encode(self, ref: ImageRef) -> bytes:
-        image = self._decoded.get(ref.digest)
-        if image is None:
-            image = await asyncio.to_thread(decode_rgb, await self._images.get(ref.digest))
-            self._decoded.put(ref.digest, image)
+        image = await self._decoded.get(ref.digest)
         async with self._one_at_a_time:  # torch already uses every core for one image
             embedding = await asyncio.to_thread(self._encoder.encode, image)
         blob = embedding.to_bytes()

@@ -196,6 +196,72 @@ def test_decode_engine_never_computed_the_prompt(pd: Disaggregated, running: Run
     raise AssertionError(f"the KV cache did not move: {failures}\n{_transfer_log(pd)}")
 
 
+def _pd_workers(running: Running) -> list[dict[str, object]]:
+    import json
+
+    import redis
+
+    from shared import keys
+
+    client = redis.Redis.from_url(running.stack.redis_url)
+    try:
+        names = list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
+        workers = [json.loads(v) for v in client.mget(names) if v] if names else []
+        return [w for w in workers if w.get("model") == PD_MODEL]
+    finally:
+        client.close()
+
+
+def _pd_queues(running: Running) -> dict[str, tuple[int, int]]:
+    import redis
+
+    from shared import keys
+
+    client = redis.Redis.from_url(running.stack.redis_url)
+    try:
+        state = {}
+        for role in ("prefill", "decode"):
+            stream = keys.job_stream(PD_MODEL, role)
+            pending = client.xpending(stream, keys.JOB_GROUP)["pending"]
+            state[role] = (int(client.xlen(stream)), int(pending))
+        return state
+    finally:
+        client.close()
+
+
+def _pd_idle(running: Running) -> bool:
+    workers = _pd_workers(running)
+    idle = all(w["active"] == 0 and w["engine_running"] == 0 for w in workers)
+    queues_empty = all(state == (0, 0) for state in _pd_queues(running).values())
+    return bool(workers) and idle and queues_empty
+
+
+def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Running) -> None:
+    """A burst of long prompts whose clients leave at once: prefills still running are
+    aborted in the prefill engine, handed-off ones are dropped or aborted in decode,
+    and nothing is left in either stage long before the work could have finished."""
+    prefill_aborts = pd.prefill.log_path.read_text().count("client disconnected")
+    decode_finishes = pd.decode.log_path.read_text().count("finished (length)")
+    # 1,201-token prompts that share no prefix, so each prefill is real work; 800
+    # tokens each would keep decode busy for several seconds.
+    prompts = [[1, 10 + k, *range(100, 1299)] for k in range(24)]
+
+    def leave_early(prompt: list[int]) -> None:
+        body = {"model": PD_MODEL, "prompt": prompt, "max_tokens": 800, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=0.3)
+
+    clients = [threading.Thread(target=leave_early, args=(p,)) for p in prompts]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(60)
+    _eventually(lambda: _pd_idle(running), "both stages to be empty", timeout_s=6)
+    prefill_log = pd.prefill.log_path.read_text()
+    assert prefill_log.count("client disconnected") > prefill_aborts, prefill_log[-3000:]
+    assert pd.decode.log_path.read_text().count("finished (length)") == decode_finishes
+
+
 # ------------------------------------------------------------------- failures
 # These run last (they kill workers) and in this order: decode dies mid-stream,
 # prefill dies before the handoff, prefill dies after it. Each request's greedy

@@ -38,6 +38,8 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kv_transfer = _kv_transfer_config(settings)
+        if kv_transfer is None:
+            _place_engine(settings)
         pooling = settings.role is Role.EMBED
         args = AsyncEngineArgs(
             model=model_path,
@@ -259,18 +261,46 @@ def _set_nixl_environment(settings: Settings) -> None:
 
 
 def engine_cores(settings: Settings) -> list[int]:
-    """The cores a prefill/decode engine keeps to: prefill the lower half, decode the upper.
+    """The cores an engine's model threads keep to.
 
-    NIXL moves the model thread onto the last core and its UCX progress thread spins;
-    measured here, an unpinned pair made each engine step ~100x slower and the first
-    decode wait ~30 s for the prefill's KV lease to expire.
+    Prefill takes the lower half, decode the upper: NIXL moves the model thread onto
+    the last core and its UCX progress thread spins; measured here, an unpinned pair
+    made each engine step ~100x slower and the first decode wait ~30 s for the
+    prefill's KV lease to expire. Any other engine takes every core but the first,
+    which stays free for the event loops beside it (this worker's, the gateway's,
+    Redis): a model thread that shares its core with them waits for them every step.
     """
     if settings.cpu_omp_threads_bind:
         return _parse_cores(settings.cpu_omp_threads_bind)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    if settings.role not in (Role.PREFILL, Role.DECODE):
+        return cores[1:] or cores
     half = max(1, len(cores) // 2)
     chosen = cores[:half] if settings.role is Role.PREFILL else cores[half:] or cores[-1:]
     return chosen
+
+
+def _place_engine(settings: Settings) -> None:
+    """On CPU: the model runs on :func:`engine_cores`, inside vLLM's engine-core process
+    unless ``cpu_engine_in_process`` is off.
+
+    vLLM's CPU platform otherwise always adds a separate model-worker process beside the
+    engine core, and every step crosses between the two. In-process, vLLM does not bind
+    OpenMP threads itself, so the standard OpenMP variables do it (the engine core is
+    spawned after this, and reads them when it starts).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cores = engine_cores(settings)
+    if not settings.cpu_engine_in_process:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        return
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in cores)
+    os.environ["OMP_PROC_BIND"] = "close"
 
 
 def _parse_cores(spec: str) -> list[int]:
