@@ -74,6 +74,24 @@ class WorkerPolicy:
     """Set: beat from a thread with its own connection to this Redis (see heartbeat.py)."""
 
 
+class RecentCancels:
+    """Request ids cancelled in the last minute, for jobs whose start raced the cancel."""
+
+    def __init__(self, keep_s: float = 60.0) -> None:
+        self._keep_s = keep_s
+        self._at: dict[str, float] = {}
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._at[request_id] = now
+        if len(self._at) > 1024:
+            self._at = {r: t for r, t in self._at.items() if now - t < self._keep_s}
+
+    def holds(self, request_id: str) -> bool:
+        at = self._at.get(request_id)
+        return at is not None and time.monotonic() - at < self._keep_s
+
+
 class WorkerRuntime:
     def __init__(
         self,
@@ -113,6 +131,7 @@ class WorkerRuntime:
         self._active: dict[str, tuple[JobRun, asyncio.Task[None]]] = {}
         self._orphaned: list[RunLease] = []
         self._fenced: set[str] = set()
+        self._recent_cancels = RecentCancels()
         self._handing_back = False
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -240,6 +259,12 @@ class WorkerRuntime:
         if lease.attempt:
             log.info("job %s resumes after %d tokens (attempt %d)", lease.job_id,
                      len(lease.emitted), lease.attempt)
+        # A cancel published while this job was being leased found nothing to cancel:
+        # catch it here, where no await separates the check from the registration.
+        if self._recent_cancels.holds(lease.delivery.job.request_id):
+            log.info("job %s dropped at dequeue: client disconnected", lease.job_id)
+            self._journal.finish(lease)
+            return
         self._canary.note_activity()
         task = asyncio.create_task(self._run_sequence(run), name=lease.job_id)
         self._active[lease.job_id] = (run, task)
@@ -318,7 +343,10 @@ class WorkerRuntime:
         except ProtocolError as exc:
             log.error("bad control message: %s", exc)
             return
-        if isinstance(command, CancelCommand) and self.cancel_request(command.request_id):
+        if not isinstance(command, CancelCommand):
+            return
+        self._recent_cancels.add(command.request_id)
+        if self.cancel_request(command.request_id):
             log.info("cancelled %s: client disconnected", command.request_id)
 
     # ------------------------------------------------------------------ janitor

@@ -374,6 +374,21 @@ async def test_cancel_flag_set_before_dequeue_drops_the_job(redis_target: RedisT
         assert all(not job.startswith("gone/") for job in w.engine.started)
 
 
+async def test_cancel_that_lands_while_the_job_is_being_leased_drops_it(
+    redis_target: RedisTarget,
+) -> None:
+    """The cancel command arrives after the intake read no cancel flag but before the
+    job's task exists: nothing was running to cancel, so the start must catch it."""
+    async with worker(redis_target) as w:
+        w.runtime._on_control(encode_bytes(CancelCommand("raced")))  # no flag in Redis
+        await w.submit(make_job("raced"))
+        await w.submit(make_job("kept"))
+        await w.final_events("kept")
+        await w.drained()
+        assert await w.events("raced") == []
+        assert all(not job.startswith("raced/") for job in w.engine.started)
+
+
 async def test_job_of_a_dead_gateway_is_dropped(redis_target: RedisTarget) -> None:
     async with worker(redis_target, gateway_alive=False, gateway_grace_s=0.0) as w:
         await w.submit(make_job("orphan"))
