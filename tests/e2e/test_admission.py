@@ -13,7 +13,8 @@ from tests.e2e.stack import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 
-LONG = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+# Long enough that no job finishes (and frees its queue slot) while the five are admitted.
+LONG = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
+import psutil
 import pytest
 
 from tests.e2e.conftest import Running
@@ -353,7 +354,12 @@ def test_prefill_that_dies_before_the_handoff_is_prefilled_again(
     prompt = [1, *range(2600, 2900)]
     reference = _complete(running.base_url, running.model, prompt)["choices"][0]["token_ids"]  # type: ignore[index]
     prefill_pid = pd.prefill.popen.pid
-    os.kill(prefill_pid, signal.SIGSTOP)  # it still takes the job: Redis serves its blocked read
+    # Freeze its engine, not the worker: the worker takes the job and starts the prefill,
+    # which cannot finish. (A frozen worker takes a job only if it froze inside a blocked
+    # read, and its heartbeat lapses, so the gateway stops routing to it.)
+    engine = psutil.Process(prefill_pid).children(recursive=True)
+    for process in engine:
+        process.suspend()
     result: dict[str, object] = {}
     client = threading.Thread(
         target=lambda: result.update(r=_complete(pd.base_url, PD_MODEL, prompt)), daemon=True
