@@ -45,6 +45,7 @@ from workers.intake import IntakePolicy, Verdict, client_gone, decide
 from workers.journal import RunJournal, RunLease
 from workers.prefill import PrefillRun
 from workers.prompt_images import PromptImageLoader
+from workers.recent_cancels import RecentCancels
 from workers.sequence import SequenceRun
 
 JobRun = SequenceRun | PrefillRun | EmbedRun | EncodeRun
@@ -72,24 +73,6 @@ class WorkerPolicy:
     gateway_grace_s: float = 10.0
     heartbeat_redis_url: str | None = None
     """Set: beat from a thread with its own connection to this Redis (see heartbeat.py)."""
-
-
-class RecentCancels:
-    """Request ids cancelled in the last minute, for jobs whose start raced the cancel."""
-
-    def __init__(self, keep_s: float = 60.0) -> None:
-        self._keep_s = keep_s
-        self._at: dict[str, float] = {}
-
-    def add(self, request_id: str) -> None:
-        now = time.monotonic()
-        self._at[request_id] = now
-        if len(self._at) > 1024:
-            self._at = {r: t for r, t in self._at.items() if now - t < self._keep_s}
-
-    def holds(self, request_id: str) -> bool:
-        at = self._at.get(request_id)
-        return at is not None and time.monotonic() - at < self._keep_s
 
 
 class WorkerRuntime:
