@@ -147,10 +147,12 @@ def run_up(settings: Settings) -> int:
     env = child_env(_settings_env(settings))
     supervisor = Supervisor()
     command = _conveyor_command()
+    roles = worker_roles(settings)
     try:
-        for number, role in enumerate(worker_roles(settings)):
-            supervisor.add(Child(f"{role}-{number}", [*command, "worker", "--role", role], env,
-                                 on_exit=_forget_worker(settings.redis_url)))
+        for number, (role, worker_env) in enumerate(zip(roles, worker_envs(settings, roles, env),
+                                                        strict=True)):
+            supervisor.add(Child(f"{role}-{number}", [*command, "worker", "--role", role],
+                                 worker_env, on_exit=_forget_worker(settings.redis_url)))
         supervisor.add(Child("gateway", [*command, "gateway"], env))
         return supervisor.run(tick=ReadyAnnouncer(settings))
     finally:
@@ -183,6 +185,23 @@ def worker_roles(settings: Settings) -> list[str]:
     if settings.embed_model:
         roles.append(Role.EMBED.value)
     return roles
+
+
+def worker_envs(settings: Settings, roles: list[str], env: dict[str, str]) -> list[dict[str, str]]:
+    """Each worker's environment: aggregated and embed engines get disjoint core slices
+    (unless --cpu-omp-threads-bind pins them all); prefill/decode split cores themselves."""
+    from conveyor.core_slices import available_cores, cores_spec, engine_core_slices
+
+    sliced = {Role.AGGREGATED.value, Role.EMBED.value}
+    engines = sum(role in sliced for role in roles)
+    slices = iter(engine_core_slices(available_cores(), engines))
+    envs = []
+    for role in roles:
+        if role in sliced and not settings.cpu_omp_threads_bind:
+            envs.append({**env, "CONVEYOR_CPU_OMP_THREADS_BIND": cores_spec(next(slices))})
+        else:
+            envs.append(env)
+    return envs
 
 
 class ReadyAnnouncer:

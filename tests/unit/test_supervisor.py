@@ -64,3 +64,39 @@ def test_boolean_settings_are_bare_flags() -> None:
     assert settings_from(build_parser().parse_args(["up", "--encode"])).encode is True
     assert settings_from(build_parser().parse_args(["up", "--encode", "false"])).encode is False
     assert settings_from(build_parser().parse_args(["up", "--port", "9001"])).encode is False
+
+
+@pytest.mark.parametrize(
+    ("cores", "engines", "slices"),
+    [
+        ([0, 1], 1, [[1]]),
+        ([0, 1], 2, [[1], [1]]),  # one free core: the engines share it
+        ([0, 1, 2, 3], 1, [[1, 2, 3]]),
+        ([0, 1, 2, 3], 2, [[1, 2], [3]]),
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8], 4, [[1, 2], [3, 4], [5, 6], [7, 8]]),
+        ([0], 2, [[0], [0]]),  # a 1-core box has nothing to keep free
+        ([0, 1], 0, []),
+    ],
+)
+def test_engine_core_slices_keep_the_first_core_free_and_never_overlap(
+    cores: list[int], engines: int, slices: list[list[int]]
+) -> None:
+    from conveyor.core_slices import engine_core_slices
+
+    assert engine_core_slices(cores, engines) == slices
+
+
+def test_up_gives_each_engine_worker_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor import core_slices
+    from conveyor.cli import worker_envs, worker_roles
+    from shared.settings import Settings
+
+    monkeypatch.setattr(core_slices, "available_cores", lambda: [0, 1, 2, 3, 4])
+    settings = Settings(encode=True, workers=2, embed_model="default")
+    roles = worker_roles(settings)
+    binds = [env.get("CONVEYOR_CPU_OMP_THREADS_BIND") for env in worker_envs(settings, roles, {})]
+    assert list(zip(roles, binds, strict=True)) == [
+        ("encode", None), ("aggregated", "1,2"), ("aggregated", "3"), ("embed", "4")
+    ]
+    pinned = Settings(workers=2, cpu_omp_threads_bind="2")
+    assert worker_envs(pinned, worker_roles(pinned), {"X": "1"}) == [{"X": "1"}, {"X": "1"}]

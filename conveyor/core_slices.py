@@ -1,0 +1,37 @@
+"""Which cores each CPU engine worker of `conveyor up` gets.
+
+The first core stays free for the event loops (gateway, workers, Redis); the
+rest are split into contiguous, disjoint slices, one per engine worker, so two
+engines never bind their OpenMP threads to the same cores. With fewer cores
+than engines, engines share single cores round-robin. GPU workers ignore it.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def engine_core_slices(cores: list[int], engines: int) -> list[list[int]]:
+    """``engines`` slices of ``cores`` minus the first (all of them on a 1-core box)."""
+    usable = cores[1:] or cores
+    if engines <= 0:
+        return []
+    if len(usable) < engines:
+        return [[usable[i % len(usable)]] for i in range(engines)]
+    size, extra = divmod(len(usable), engines)
+    slices, start = [], 0
+    for index in range(engines):
+        end = start + size + (1 if index < extra else 0)
+        slices.append(usable[start:end])
+        start = end
+    return slices
+
+
+def cores_spec(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
