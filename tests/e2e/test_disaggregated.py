@@ -46,6 +46,7 @@ def pd(running: Running) -> Iterator[Disaggregated]:
     gateway, url = stack.start_gateway("gateway-pd", **env)
     wait_until(f"{url}/ready", status=200, process=gateway, timeout_s=600)
     _GATEWAY_URL[:] = [url]
+    _REDIS_URL[:] = [stack.redis_url]
     _wait_for_roles(running, {"prefill", "decode"}, [prefill, decode])
     yield Disaggregated(url, prefill, decode)
     # Idle NIXL engines keep UCX progress threads spinning: stop every P/D process here,
@@ -55,6 +56,7 @@ def pd(running: Running) -> Iterator[Disaggregated]:
 
 
 _GATEWAY_URL: list[str] = []
+_REDIS_URL: list[str] = []
 _RESTARTED: list[Process] = []
 
 
@@ -78,13 +80,16 @@ def _wait_for_roles(running: Running, roles: set[str], processes: list[Process])
         while time.monotonic() < deadline:
             for process in processes:
                 assert process.popen.poll() is None, process.log_tail()
-            live = set()
+            live, registered = set(), set()
             for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
                 value = client.get(key)
                 worker = json.loads(value) if value else {}
                 if worker.get("model") == PD_MODEL:
                     live.add(worker.get("role"))
-            if roles <= live and _gateway_sees(roles):
+                    registered.add(str(worker.get("worker_id")))
+            # These very processes (not a killed one whose key has not expired yet).
+            ours = all(any(f"-{p.popen.pid}-" in w for w in registered) for p in processes)
+            if roles <= live and ours and _gateway_sees(roles):
                 return
             time.sleep(0.5)
     finally:
@@ -296,9 +301,14 @@ def _stream_tokens(base_url: str, prompt: list[int], max_tokens: int,
 
 
 def _kill(process: Process) -> None:
+    """SIGKILL a worker as `conveyor up` would see it die: its engine goes with it, and
+    it leaves the registry at once."""
+    from shared.registry import forget_dead_process
+
     process.popen.send_signal(signal.SIGKILL)
     process.popen.wait(30)
     process.kill_group()  # its engine core too: the KV cache it held is gone
+    forget_dead_process(_REDIS_URL[0], process.popen.pid)
 
 
 def _restart(running: Running, role: str) -> Process:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -325,11 +327,31 @@ def pin_process_tree(cores: list[int]) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
+    """A free port for NIXL's side channel, from below the kernel's ephemeral range.
+
+    The engine binds it seconds later; a port from the ephemeral range could meanwhile
+    become the local end of some outgoing connection (seen here: the replacement of a
+    killed prefill worker hung at start-up on "Address already in use")."""
+    low = _ephemeral_low()
+    candidates = list(range(max(10_000, low - 12_000), low))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # nothing free below the range: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 def _sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
