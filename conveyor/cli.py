@@ -190,7 +190,7 @@ def worker_roles(settings: Settings) -> list[str]:
 def worker_envs(settings: Settings, roles: list[str], env: dict[str, str]) -> list[dict[str, str]]:
     """Each worker's environment: aggregated and embed engines get disjoint core slices
     (unless --cpu-omp-threads-bind pins them all); prefill/decode split cores themselves."""
-    from conveyor.core_slices import available_cores, cores_spec, engine_core_slices
+    from shared.cpu_cores import available_cores, cores_spec, engine_core_slices
 
     sliced = {Role.AGGREGATED.value, Role.EMBED.value}
     engines = sum(role in sliced for role in roles)

@@ -81,17 +81,17 @@ def test_boolean_settings_are_bare_flags() -> None:
 def test_engine_core_slices_keep_the_first_core_free_and_never_overlap(
     cores: list[int], engines: int, slices: list[list[int]]
 ) -> None:
-    from conveyor.core_slices import engine_core_slices
+    from shared.cpu_cores import engine_core_slices
 
     assert engine_core_slices(cores, engines) == slices
 
 
 def test_up_gives_each_engine_worker_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from conveyor import core_slices
     from conveyor.cli import worker_envs, worker_roles
+    from shared import cpu_cores
     from shared.settings import Settings
 
-    monkeypatch.setattr(core_slices, "available_cores", lambda: [0, 1, 2, 3, 4])
+    monkeypatch.setattr(cpu_cores, "available_cores", lambda: [0, 1, 2, 3, 4])
     settings = Settings(encode=True, workers=2, embed_model="default")
     roles = worker_roles(settings)
     binds = [env.get("CONVEYOR_CPU_OMP_THREADS_BIND") for env in worker_envs(settings, roles, {})]

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from shared.cpu_cores import available_cores, cores_spec, engine_core_slices, parse_cores
 from shared.errors import EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Role, Settings
@@ -259,7 +260,7 @@ def _set_nixl_environment(settings: Settings) -> None:
     port = settings.kv_side_channel_port or _free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine_cores(settings)))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores_spec(engine_cores(settings))
 
 
 def engine_cores(settings: Settings) -> list[int]:
@@ -273,10 +274,10 @@ def engine_cores(settings: Settings) -> list[int]:
     Redis): a model thread that shares its core with them waits for them every step.
     """
     if settings.cpu_omp_threads_bind:
-        return _parse_cores(settings.cpu_omp_threads_bind)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        return parse_cores(settings.cpu_omp_threads_bind)
+    cores = available_cores()
     if settings.role not in (Role.PREFILL, Role.DECODE):
-        return cores[1:] or cores
+        return engine_core_slices(cores, 1)[0]
     half = max(1, len(cores) // 2)
     chosen = cores[:half] if settings.role is Role.PREFILL else cores[half:] or cores[-1:]
     return chosen
@@ -297,20 +298,12 @@ def _place_engine(settings: Settings) -> None:
         return
     cores = engine_cores(settings)
     if not settings.cpu_engine_in_process:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores_spec(cores)
         return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = str(len(cores))
     os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in cores)
     os.environ["OMP_PROC_BIND"] = "close"
-
-
-def _parse_cores(spec: str) -> list[int]:
-    cores: list[int] = []
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        cores.extend(range(int(low), int(high or low) + 1))
-    return cores
 
 
 def pin_process_tree(cores: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Which cores each CPU engine worker of `conveyor up` gets.
+"""Which cores CPU engines run on: one rule for `conveyor up` and the workers.
 
 The first core stays free for the event loops (gateway, workers, Redis); the
 rest are split into contiguous, disjoint slices, one per engine worker, so two
@@ -35,3 +35,12 @@ def engine_core_slices(cores: list[int], engines: int) -> list[list[int]]:
 
 def cores_spec(cores: list[int]) -> str:
     return ",".join(map(str, cores))
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``'1,3-5'`` -> ``[1, 3, 4, 5]`` (the inverse of :func:`cores_spec`)."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
