@@ -21,13 +21,17 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(settings: Settings) -> int:
-    config = uvicorn.Config(
+def uvicorn_config(settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
-    DrainingServer(config).run()
+
+
+def serve(settings: Settings) -> int:
+    DrainingServer(uvicorn_config(settings)).run()
     return 0

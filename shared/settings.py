@@ -72,6 +72,11 @@ class Settings(BaseSettings):
         600.0, description="Server-side deadline of a request (header X-Request-Timeout overrides)."
     )
     sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
+    access_log: bool = Field(
+        False,
+        description="Log one line per HTTP request (uvicorn's access log). Off by default: "
+        "at thousands of requests per second it is the gateway's largest cost.",
+    )
     admission_retry_s: float = Field(
         5.0,
         description="How long the gateway retries queueing a request while Redis is "

@@ -8,17 +8,22 @@ letter + 500; it would be a migration that is off, over its limit or not safe
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from shared import keys
 from shared.errors import ConveyorError, DeadlineExceeded, EngineError
 from shared.protocol import GenerateJob, Job, encode
 from workers.gateway_watch import GatewayWatch
 from workers.journal import RunLease
+
+log = logging.getLogger(__name__)
 
 
 class Verdict(Enum):
@@ -48,17 +53,26 @@ class Decision:
     error: ConveyorError | None = None
 
 
-async def client_gone(
-    redis: aioredis.Redis, job: Job, gateways: GatewayWatch
-) -> str | None:
-    gateway = keys.gateway_of_reply_stream(job.reply_to)
+async def clients_gone(
+    redis: aioredis.Redis, jobs: Sequence[Job], gateways: GatewayWatch
+) -> list[str | None]:
+    """Per job: why its client is gone, or None. One round trip for all of ``jobs``."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.exists(keys.cancel_flag(job.request_id))
-        pipe.exists(keys.gateway_heartbeat(gateway))
-        cancelled, gateway_alive = await pipe.execute()
+        for job in jobs:
+            pipe.exists(keys.cancel_flag(job.request_id))
+            pipe.exists(keys.gateway_heartbeat(keys.gateway_of_reply_stream(job.reply_to)))
+        replies = await pipe.execute()
+    return [
+        _gone(job, bool(cancelled), bool(gateway_alive), gateways)
+        for job, cancelled, gateway_alive in zip(jobs, replies[::2], replies[1::2], strict=True)
+    ]
+
+
+def _gone(job: Job, cancelled: bool, gateway_alive: bool, gateways: GatewayWatch) -> str | None:
+    gateway = keys.gateway_of_reply_stream(job.reply_to)
     if cancelled:
         return "client disconnected"
-    if gateways.observe({gateway: bool(gateway_alive)}):
+    if gateways.observe({gateway: gateway_alive}):
         return f"its gateway {gateway} is gone"
     return None
 
@@ -81,7 +95,10 @@ async def decide(
             f"the request failed on {lease.attempt} workers in a row and was set aside "
             "(dead-letter queue); it will not be retried"
         )
-        await dead_letter(redis, lease, error.message)
+        try:
+            await dead_letter(redis, lease, error.message)
+        except RedisError as exc:  # the client still gets its error; only the copy is lost
+            log.error("job %s: could not write its dead-letter entry: %s", lease.job_id, exc)
         return Decision(Verdict.FAIL, "dead-lettered", error)
     if lease.emitted:
         refusal = _migration_refusal(job, lease, policy)

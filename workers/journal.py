@@ -23,7 +23,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,14 +243,28 @@ class RunJournal:
         self._failed: BaseException | None = None
 
     async def begin(self, delivery: Delivery) -> RunLease:
-        job_id = delivery.job.job_id
-        stage = keys.stage_of_stream(delivery.stream)
-        fence = f"{self._consumer}/{uuid.uuid4().hex[:8]}"
-        attempt, seq, emitted = await self._begin(
-            keys=[keys.job_run(job_id, stage), keys.job_emitted(job_id, stage)],
-            args=[fence, self._run_ttl_ms],
-        )
-        return RunLease(delivery, fence, int(attempt), int(seq), unpack_tokens(emitted or b""))
+        (lease,) = await self.begin_all([delivery])
+        return lease
+
+    async def begin_all(self, deliveries: Sequence[Delivery]) -> list[RunLease]:
+        """Lease every delivery in one round trip (on one connection, however many)."""
+        fences = [f"{self._consumer}/{uuid.uuid4().hex[:8]}" for _ in deliveries]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for delivery, fence in zip(deliveries, fences, strict=True):
+                job_id = delivery.job.job_id
+                stage = keys.stage_of_stream(delivery.stream)
+                await self._begin(
+                    keys=[keys.job_run(job_id, stage), keys.job_emitted(job_id, stage)],
+                    args=[fence, self._run_ttl_ms],
+                    client=pipe,
+                )
+            replies = await pipe.execute()
+        return [
+            RunLease(delivery, fence, int(attempt), int(seq), unpack_tokens(emitted or b""))
+            for delivery, fence, (attempt, seq, emitted) in zip(
+                deliveries, fences, replies, strict=True
+            )
+        ]
 
     # ------------------------------------------------------------------ writes
 

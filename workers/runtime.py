@@ -41,7 +41,7 @@ from workers.engines.base import Engine
 from workers.engines.vision_engine import VisionEngine
 from workers.gateway_watch import GatewayWatch
 from workers.heartbeat import HeartbeatThread
-from workers.intake import IntakePolicy, Verdict, client_gone, decide
+from workers.intake import IntakePolicy, Verdict, clients_gone, decide
 from workers.journal import RunJournal, RunLease
 from workers.prefill import PrefillRun
 from workers.prompt_images import PromptImageLoader
@@ -58,6 +58,10 @@ ORPHAN_CHECK_INTERVAL_S = 1.0
 STALL_S = 1.0
 """A janitor pass this late means Redis or this worker stalled (see ``_janitor``)."""
 STALE_ENTRY_MS = 30_000
+START_RETRY_FIRST_S = 0.05
+START_RETRY_MAX_S = 1.0
+SAFETY_NET_LOG = "SAFETY NET"
+"""Marks the log line of a job served by the stale-entry reclaim (tests fail on it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,13 +226,34 @@ class WorkerRuntime:
         return self._policy.max_slots - len(self._active)
 
     async def _start_all(self, deliveries: list[Delivery]) -> None:
-        await asyncio.gather(*(self._start(delivery) for delivery in deliveries))
+        """Lease and start every delivery of one read, in one round trip for the batch.
 
-    async def _start(self, delivery: Delivery) -> None:
-        # Lease and liveness checks travel together: one round trip before the engine starts.
-        lease, gone = await asyncio.gather(
-            self._journal.begin(delivery), client_gone(self._redis, delivery.job, self._gateways)
-        )
+        A delivery must never wait for the stale-entry reclaim: if Redis fails the
+        lease, the whole batch is tried again at once (with a short backoff) for as
+        long as the worker runs.
+        """
+        delay = START_RETRY_FIRST_S
+        while deliveries:
+            try:
+                leases, gone = await asyncio.gather(
+                    self._journal.begin_all(deliveries),
+                    clients_gone(self._redis, [d.job for d in deliveries], self._gateways),
+                )
+            except RedisError as exc:
+                if self._stopping.is_set():
+                    log.warning("could not start %d jobs (%s) while stopping; they go to "
+                                "another worker once this one has left", len(deliveries), exc)
+                    return
+                log.warning("could not start %d jobs (%s); trying again in %.2fs",
+                            len(deliveries), exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, START_RETRY_MAX_S)
+                continue
+            for lease, why_gone in zip(leases, gone, strict=True):
+                await self._start(lease, why_gone)
+            return
+
+    async def _start(self, lease: RunLease, gone: str | None) -> None:
         run = self._new_run(lease)
         decision = await decide(self._redis, lease, self._intake, gone)
         if decision.verdict is Verdict.DROP:
@@ -383,16 +408,23 @@ class WorkerRuntime:
                     stream, self.worker_id, min_idle_ms=self._policy.claim_idle_ms,
                     count=free, from_consumers=dead,
                 )
-            if not deliveries:
-                # Safety net: an entry nobody has renewed for this long is not being worked
-                # on by anyone, live or not (renewals happen every 0.5 s).
-                deliveries = await self._queue.reclaim(
-                    stream, self.worker_id, min_idle_ms=STALE_ENTRY_MS, count=free,
-                    include_own=True,
-                )
             if deliveries:
-                log.warning("reclaimed %d jobs of a dead worker from %s", len(deliveries), stream)
+                log.warning("reclaimed %d jobs of dead workers %s from %s",
+                            len(deliveries), sorted(dead), stream)
                 await self._start_all(deliveries)
+                continue
+            # Safety net: an entry nobody has renewed for this long is not being worked
+            # on by anyone, live or not (renewals happen every 0.5 s). It must never be
+            # what serves a request: when it fires, something upstream lost a job.
+            stale = await self._queue.reclaim(
+                stream, self.worker_id, min_idle_ms=STALE_ENTRY_MS, count=free,
+                include_own=True,
+            )
+            if stale:
+                log.error("%s: %d jobs on %s sat %ds with no live owner working on them "
+                          "(a bug: a delivery was lost); restarting them", SAFETY_NET_LOG,
+                          len(stale), stream, STALE_ENTRY_MS // 1000)
+                await self._start_all(stale)
 
     async def _dead_consumers(self, stream: str) -> set[str]:
         summary: Any = await self._redis.xpending(stream, keys.JOB_GROUP)

@@ -44,11 +44,12 @@ def stack(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield stack
     finally:
         stack.stop_all()
+    stack.assert_no_safety_net()
 
 
 @pytest.fixture(scope="session")
 def running(stack: Stack) -> Running:
-    worker = stack.start_worker(CONVEYOR_WORKER_MAX_SLOTS="32")
+    worker = stack.start_worker()  # the default slots, as `make run` has them
     gateway, base_url = stack.start_gateway()
     wait_until(f"{base_url}/ready", status=200, process=worker, timeout_s=240)
     return Running(stack, base_url, worker, gateway)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from workers.runtime import SAFETY_NET_LOG
+
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
 
@@ -97,6 +99,17 @@ class Stack:
     def stop_all(self) -> None:
         for process in reversed(self.processes):
             process.stop()
+
+    def assert_no_safety_net(self) -> None:
+        """A job served by the stale-entry reclaim means a delivery was lost: fail."""
+        fired = [
+            f"{path.name}: {line}"
+            for path in sorted(self.log_dir.glob("*.log"))
+            for line in path.read_text(errors="replace").splitlines()
+            if SAFETY_NET_LOG in line
+        ]
+        if fired:
+            raise AssertionError("the stale-entry safety net served jobs:\n" + "\n".join(fired))
 
 
 def wait_until(url: str, *, status: int, process: Process, timeout_s: float) -> None:

@@ -1106,3 +1106,56 @@ async def test_a_job_that_kills_the_engine_is_dead_lettered(redis_target: RedisT
     assert isinstance(events[-1], ErrorEvent)
     assert (events[-1].code, events[-1].attempt) == ("job_failed_repeatedly", 2)
     assert dead_letters == 1
+
+
+# ------------------------------------------------------------- bursts and start failures
+
+
+async def test_a_burst_of_jobs_in_one_read_starts_on_a_few_connections(
+    redis_target: RedisTarget,
+) -> None:
+    """64 deliveries in one read are leased in one round trip, not one connection each:
+    with a pool of 8 connections (the old code needed 2 per delivery) all run at once."""
+    if redis_target.kind == "fake":
+        pytest.skip("fakeredis has no connection pool to exhaust")
+    small_pool = aioredis.ConnectionPool.from_url(redis_target.url, max_connections=8)
+
+    def connect_small() -> aioredis.Redis:
+        return aioredis.Redis(connection_pool=small_pool)
+
+    target = RedisTarget(kind="real", url=redis_target.url)
+    target.connect = connect_small  # type: ignore[method-assign]
+    async with worker(target, FakeEngine(tokens=2), max_slots=64) as w:
+        jobs = [make_job("burst", index=i, max_tokens=2) for i in range(64)]
+        await w.submit(*jobs)
+        started = time.monotonic()
+        await w.final_events("burst", sequences=64, timeout_s=5.0)
+        assert time.monotonic() - started < 2.0
+        await w.drained()
+    await small_pool.aclose()
+
+
+async def test_a_start_that_fails_is_tried_again_at_once(
+    redis_target: RedisTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis fails the lease of a fresh delivery: the worker starts it again right away
+    instead of leaving it pending for the stale-entry reclaim (30 s)."""
+    async with worker(redis_target, FakeEngine(tokens=2)) as w:
+        journal = w.runtime._journal
+        real_begin_all = journal.begin_all
+        failures = 0
+
+        async def flaky_begin_all(deliveries: Any) -> Any:
+            nonlocal failures
+            if failures < 2:
+                failures += 1
+                raise RedisConnectionError("Too many connections")
+            return await real_begin_all(deliveries)
+
+        monkeypatch.setattr(journal, "begin_all", flaky_begin_all)
+        started = time.monotonic()
+        await w.submit(make_job("flaky", max_tokens=2))
+        await w.final_events("flaky", timeout_s=3.0)
+        assert failures == 2
+        assert time.monotonic() - started < 1.0
+        await w.drained()
