@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-vision-"))
     model = args.model
     if model is None:
-        from conveyor.demo_model import write_demo_model
+        from shared.demo_model import write_demo_model
 
         model = write_demo_model(Path(f"/tmp/demo-model-{args.kind}"), kind=args.kind)
     pictures = {f"{i}.png": _noise_png(i, args.image_size) for i in range(args.requests)}

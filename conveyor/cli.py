@@ -1,4 +1,4 @@
-"""The `conveyor` command: up, gateway, worker, demo-model.
+"""The `conveyor` command: up, gateway, worker, demo-model; db, keys, usage (admin_cli.py).
 
 Every setting of :class:`shared.settings.Settings` is a flag (``--redis-url``)
 and an environment variable (``CONVEYOR_REDIS_URL``); flags win.
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from shared.settings import Mode, Role, Settings
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in _SUBCOMMAND_HELP.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == "demo-model":
-            from conveyor.demo_model import KINDS  # stdlib only: cheap
+            from shared.demo_model import KINDS  # stdlib only: cheap
 
             command.add_argument("path", type=Path)
             command.add_argument("--seed", type=int, default=0)
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="text (llama) or vision-language (llava, qwen2-vl)")
         else:
             _add_setting_flags(command)
+    from conveyor.admin_cli import add_admin_commands
+
+    add_admin_commands(sub)
     return parser
 
 
@@ -89,12 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo-model":
         _setup_logging("INFO")
-        from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+        from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
 
         write_demo_model(args.path, seed=args.seed, kind=args.kind)
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
         return 0
     settings = settings_from(args)
+    if args.command in ("db", "keys", "usage"):
+        from conveyor.admin_cli import run_admin
+
+        _setup_logging("WARNING")  # stdout carries the answer; a secret on its last line
+        return run_admin(args, settings)
     _setup_logging(settings.log_level)
     if args.command == "gateway":
         return run_gateway(settings)
@@ -114,6 +123,8 @@ def run_gateway(settings: Settings) -> int:
 def _settings_env(settings: Settings) -> dict[str, str]:
     env = {}
     for name, value in settings.model_dump(exclude_unset=False).items():
+        if isinstance(value, SecretStr):  # str() would pass "**********" to the children
+            value = value.get_secret_value()
         if value is not None:
             env["CONVEYOR_" + name.upper()] = str(value)
     return env
@@ -136,7 +147,7 @@ def run_up(settings: Settings) -> int:
         log.info("no Redis answers at %s; starting a private one", settings.redis_url)
         redis_process = start_private_redis(settings.redis_url, settings.data_dir)
     if settings.model is None:
-        from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+        from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
         from shared.model_source import demo_kind
 
         kind = demo_kind(settings)
@@ -166,7 +177,7 @@ def _forget_worker(redis_url: str) -> Callable[[int], None]:
     """A dead worker leaves the registry at once, so its jobs are reclaimed at once."""
 
     def forget(pid: int) -> None:
-        from shared.registry import forget_dead_process
+        from shared.liveness import forget_dead_process
 
         for worker_id in forget_dead_process(redis_url, pid):
             log.info("worker %s is gone; the others take over its jobs now", worker_id)

@@ -1,5 +1,5 @@
 """Gateway app factory. The lifespan owns every resource: Redis, the reply reader,
-the worker directory and the gateway's liveness key."""
+the worker directory, the gateway's liveness key and the control plane (SQL)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,31 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
+from gateway.auth import check_auth_settings
+from gateway.body_limit import BodySizeLimit
+from gateway.control.plane import ControlPlane
 from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.error_handlers import install_error_handlers
 from gateway.image_fetch import FetchPolicy, ImageFetcher, allowed_schemes
 from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
-from gateway.routes import health, openai
+from gateway.routes import admin, health, openai
 from gateway.state import GatewayState
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
 from shared.images import ImageLimits
+from shared.liveness import WorkerRegistry, keep_gateway_alive
 from shared.media_store import ImageStore
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
-from shared.registry import WorkerRegistry
 from shared.reply_stream import ReplyRouter
 from shared.settings import Settings
 from shared.tasks import cancel_and_wait
@@ -40,12 +44,20 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        check_auth_settings(settings)
         state = _build_state(settings)
         app.state.gateway = state
+        control = state.control = ControlPlane(settings, state.redis, state.gateway_id)
+        await control.start()
         tasks = [
             asyncio.create_task(state.router.run(), name="reply-router"),
             asyncio.create_task(state.directory.run(), name="worker-directory"),
-            asyncio.create_task(_liveness(state), name="gateway-liveness"),
+            asyncio.create_task(
+                keep_gateway_alive(
+                    state.redis, state.gateway_id, settings.gateway_liveness_ttl_s
+                ),
+                name="gateway-liveness",
+            ),
             asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
         ]
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
@@ -55,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
             state.draining = True
             await state.dispatcher.wait_background()
             await cancel_and_wait(tasks)
+            await control.stop()
             with contextlib.suppress(RedisError):
                 await state.redis.delete(
                     keys.gateway_heartbeat(state.gateway_id), state.router.stream
@@ -62,10 +75,20 @@ def create_app(settings: Settings) -> FastAPI:
             await state.images.aclose()
             await state.redis.aclose()
 
+    return build_app(settings, lifespan)
+
+
+def build_app(
+    settings: Settings, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None
+) -> FastAPI:
+    """Routes, error funnel and body-size limit; ``app.state.gateway`` comes from
+    ``lifespan`` (tests set it themselves)."""
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.include_router(openai.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     return app
 
 
@@ -84,12 +107,7 @@ def _build_state(settings: Settings) -> GatewayState:
         redis,
         router,
         directory,
-        AdmissionPolicy(
-            settings.queue_max_depth,
-            settings.idempotency_ttl_s,
-            settings.disagg_min_prompt_tokens,
-            settings.admission_retry_s,
-        ),
+        AdmissionPolicy.from_settings(settings),
     )
     return GatewayState(
         settings=settings,
@@ -117,16 +135,3 @@ def _image_inputs(settings: Settings, redis: aioredis.Redis) -> ImageInputs:
         ImageLimits(settings.image_max_bytes, settings.image_max_pixels),
         max_images=settings.max_images_per_request,
     )
-
-
-async def _liveness(state: GatewayState) -> None:
-    """A TTL key that says this gateway (and its reply stream) is alive."""
-    ttl_s = state.settings.gateway_liveness_ttl_s
-    while True:
-        try:
-            await state.redis.set(
-                keys.gateway_heartbeat(state.gateway_id), b"1", px=int(ttl_s * 1000)
-            )
-        except RedisError as exc:
-            log.warning("gateway liveness update failed: %s", exc)
-        await asyncio.sleep(min(1.0, ttl_s / 3))

@@ -11,9 +11,9 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.dispatch import RemoteError, RequestHandle
+from gateway.dispatch import RequestHandle
 from gateway.responses import ChoiceState, Json, ResponseFormat, Usage
-from shared.errors import ConveyorError
+from shared.errors import ConveyorError, RemoteError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 
 log = logging.getLogger(__name__)

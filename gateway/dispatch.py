@@ -26,7 +26,6 @@ from gateway.worker_directory import WorkerDirectory
 from shared import keys
 from shared.errors import (
     BackendUnavailable,
-    ConveyorError,
     DeadlineExceeded,
     IdempotencyConflict,
     NoLiveWorker,
@@ -37,7 +36,6 @@ from shared.protocol import (
     FINAL_EVENTS,
     CancelCommand,
     EmbedJob,
-    ErrorEvent,
     Event,
     GenerateJob,
     ImageRef,
@@ -46,6 +44,9 @@ from shared.protocol import (
 )
 from shared.redis_conn import db_of
 from shared.reply_stream import ReplyRouter, StreamInterrupted
+from shared.retry import Backoff, retry
+from shared.roles import Role
+from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +57,17 @@ CANCEL_FLAG_TTL_S = 600
 class AdmissionPolicy:
     queue_max_depth: int
     idempotency_ttl_s: int
-    min_prefill_tokens: int = 128
-    admission_retry_s: float = 5.0
+    min_prefill_tokens: int
+    admission_retry_s: float
 
-
-class RemoteError(ConveyorError):
-    """An error a worker reported for one sequence."""
-
-    def __init__(self, event: ErrorEvent) -> None:
-        super().__init__(event.message, param=event.param)
-        self.status = event.status
-        self.type = event.type
-        self.code = event.code
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AdmissionPolicy:
+        return cls(
+            queue_max_depth=settings.queue_max_depth,
+            idempotency_ttl_s=settings.idempotency_ttl_s,
+            min_prefill_tokens=settings.disagg_min_prompt_tokens,
+            admission_retry_s=settings.admission_retry_s,
+        )
 
 
 class Dispatcher:
@@ -90,23 +90,19 @@ class Dispatcher:
         self, stream: str, jobs: Sequence[Job], idempotency_key: str | None
     ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
-        deadline = time.monotonic() + self._policy.admission_retry_s
-        delay = 0.1
-        while True:
-            try:
-                return await self._queue.submit(
-                    stream,
-                    jobs,
-                    max_depth=self._policy.queue_max_depth,
-                    idempotency_key=idempotency_key,
-                    idempotency_ttl_s=self._policy.idempotency_ttl_s,
-                )
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("admission of %s failed (%s); retrying", jobs[0].request_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await retry(
+            lambda: self._queue.submit(
+                stream,
+                jobs,
+                max_depth=self._policy.queue_max_depth,
+                idempotency_key=idempotency_key,
+                idempotency_ttl_s=self._policy.idempotency_ttl_s,
+            ),
+            for_s=self._policy.admission_retry_s,
+            backoff=Backoff(first_s=0.1, max_s=1.0),
+            what=f"admission of {jobs[0].request_id}",
+            retry_on=(RedisConnectionError, RedisTimeoutError),
+        )
 
     async def submit(
         self,
@@ -128,8 +124,8 @@ class Dispatcher:
         # With an encode pool, images go through it first; without, the language
         # worker takes the raw images itself.
         after_encode = None
-        if images and self._directory.serving(model, "encode"):
-            role, after_encode = "encode", role
+        if images and self._directory.serving(model, Role.ENCODE):
+            role, after_encode = Role.ENCODE, role
         now = time.time()
         jobs = [
             GenerateJob(
@@ -158,7 +154,7 @@ class Dispatcher:
         dimensions: int | None,
     ) -> RequestHandle:
         """One embedding job per input, on the model's embed stream."""
-        if not self._directory.serving(model, "embed"):
+        if not self._directory.serving(model, Role.EMBED):
             raise NoLiveWorker(
                 f"no live embedding worker serves model `{model}` right now; retry shortly",
                 retry_after_s=5,
@@ -177,7 +173,7 @@ class Dispatcher:
             )
             for index, prompt in enumerate(prompts)
         ]
-        return await self._enqueue(keys.job_stream(model, "embed"), jobs, None)
+        return await self._enqueue(keys.job_stream(model, Role.EMBED), jobs, None)
 
     async def _enqueue(
         self, stream: str, jobs: Sequence[Job], idempotency_key: str | None
@@ -209,23 +205,22 @@ class Dispatcher:
             task.add_done_callback(self._background.discard)
 
     async def _send_cancel(self, request_id: str, *, retry_for_s: float = 30.0) -> None:
-        deadline = time.monotonic() + retry_for_s
-        while True:
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.set(keys.cancel_flag(request_id), b"1", ex=CANCEL_FLAG_TTL_S)
-                    pipe.publish(
-                        keys.control_channel(db_of(self._redis)),
-                        encode_bytes(CancelCommand(request_id)),
-                    )
-                    await pipe.execute()
-                log.info("cancel sent for %s", request_id)
-                return
-            except RedisError as exc:
-                if time.monotonic() > deadline:
-                    log.warning("could not send cancel for %s: %s", request_id, exc)
-                    return
-                await asyncio.sleep(0.5)
+        async def send() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(keys.cancel_flag(request_id), b"1", ex=CANCEL_FLAG_TTL_S)
+                pipe.publish(
+                    keys.control_channel(db_of(self._redis)),
+                    encode_bytes(CancelCommand(request_id)),
+                )
+                await pipe.execute()
+
+        try:
+            await retry(send, for_s=retry_for_s, backoff=Backoff(first_s=0.5, max_s=0.5),
+                        what=f"cancel of {request_id}")
+        except RedisError as exc:
+            log.warning("could not send cancel for %s: %s", request_id, exc)
+            return
+        log.info("cancel sent for %s", request_id)
 
     async def wait_background(self) -> None:
         if self._background:

@@ -5,20 +5,26 @@ from __future__ import annotations
 import base64
 import struct
 
-from gateway.dispatch import RemoteError, RequestHandle
+from gateway import limits
+from gateway.dispatch import RequestHandle
 from gateway.model_catalog import ServedModel
 from gateway.responses import Json
 from gateway.schemas import EmbeddingRequest
-from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.errors import ContextLengthExceeded, InvalidRequest, RemoteError
 from shared.protocol import EmbeddingEvent, ErrorEvent
+
+
+def embedding_inputs(request: EmbeddingRequest) -> list[str | list[int]]:
+    try:
+        return request.inputs()
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="input") from exc
 
 
 def input_token_ids(request: EmbeddingRequest, model: ServedModel) -> list[list[int]]:
     """Each input tokenized with the model's special tokens; empty or too long is a 400."""
-    try:
-        inputs = request.inputs()
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param="input") from exc
+    inputs = embedding_inputs(request)
+    limits.check_prompts_fit(inputs, model, "input", indexed=len(inputs) > 1)
     prompts: list[list[int]] = []
     for position, item in enumerate(inputs):
         where = "input" if len(inputs) == 1 else f"input[{position}]"
@@ -45,12 +51,14 @@ def _check_vocabulary(ids: list[int], model: ServedModel, where: str) -> None:
     size = model.tokenizer.vocab_size()
     bad = next((t for t in ids if not 0 <= t < size), None)
     if bad is not None:
-        raise InvalidRequest(f"{where} holds token id {bad}, outside the vocabulary "
-                             f"(0..{size - 1})", param=where)
+        raise InvalidRequest(
+            f"{where} holds token id {bad}, outside the vocabulary (0..{size - 1})", param=where
+        )
 
 
-async def collect_embeddings(handle: RequestHandle, request: EmbeddingRequest,
-                             model_name: str) -> Json:
+async def collect_embeddings(
+    handle: RequestHandle, request: EmbeddingRequest, model_name: str
+) -> Json:
     """Every input's embedding, in input order; raises the first error a worker reported."""
     vectors: dict[int, EmbeddingEvent] = {}
     try:
@@ -66,8 +74,11 @@ async def collect_embeddings(handle: RequestHandle, request: EmbeddingRequest,
     return {
         "object": "list",
         "data": [
-            {"object": "embedding", "index": event.index,
-             "embedding": _encode(event.vector, request.encoding_format)}
+            {
+                "object": "embedding",
+                "index": event.index,
+                "embedding": _encode(event.vector, request.encoding_format),
+            }
             for event in ordered
         ],
         "model": model_name,

@@ -31,8 +31,10 @@ async def _conveyor_error(_: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, RequestValidationError):
         raise exc
-    first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    first = _most_specific(list(exc.errors()))
+    location = [str(part) for part in first.get("loc", ())]
+    if location and location[0] in _REQUEST_PARTS:
+        location = location[1:]  # "body", or "header" before a header's name
     param = _param_path(location) or None
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
@@ -42,6 +44,16 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
         error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
     )
+
+
+def _most_specific(errors: list[Any]) -> Any:
+    """The first field's deepest error: for a union (``stop``: a string or a list) pydantic
+    reports every branch, and the branch that went deepest is the one the client meant."""
+    if not errors:
+        return {}
+    field = tuple(errors[0].get("loc", ()))[:2]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
+    return max(same_field, key=lambda e: len(e.get("loc", ())))
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -74,6 +86,7 @@ def _param_path(location: list[str]) -> str:
     return path
 
 
+_REQUEST_PARTS = frozenset({"body", "header", "query", "path", "cookie"})
 _SCALAR_BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
@@ -81,7 +94,7 @@ def _is_union_branch(part: str) -> bool:
     return (
         part in _SCALAR_BRANCHES
         or "[" in part
-        or part.startswith(("function-", "tagged-union", "union["))
+        or part.startswith(("function-", "tagged-union", "union[", "constrained-"))
     )
 
 

@@ -22,19 +22,13 @@ from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 
 import httpx
 
-from shared.errors import InvalidRequest
+from shared.errors import ImageFetchError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 MAX_REDIRECTS = 5
-
-
-class ImageFetchError(InvalidRequest):
-    """The URL is not allowed or its bytes could not be fetched."""
-
-    code = "invalid_image_url"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 32
+MAX_STOP_CHARS = 256
+"""vLLM holds back this many characters of a stream while it looks for a stop string."""
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300
+"""Entries of ``logit_bias`` (each costs the sampler work on every step)."""
+LOGIT_BIAS_RANGE = 100.0
 _INT32_MAX = 2**31 - 1
+
+
+StopSequence = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 
 
 class _Lenient(BaseModel):
@@ -68,19 +84,24 @@ class ChatMessage(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. Floats refuse NaN and infinity, which
+    Python's JSON parser accepts."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
-    stop: str | list[str] | None = None
+    stop: (
+        StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None
+    ) = None
+    logit_bias: dict[int, LogitBias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    """Token id -> bias added to its logit (-100..100); ids are checked against the vocabulary."""
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,8 +114,6 @@ class SamplingFields(_Lenient):
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -113,6 +132,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Known OpenAI fields this server cannot honour yet: declared so they are refused
+    # (gateway/translate.py::refuse_unsupported) rather than silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -129,14 +157,21 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @model_validator(mode="after")
-    def _check_unsupported(self) -> CompletionRequest:
-        if self.echo:
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo is not supported")
-        if self.suffix:
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
             raise ValueError("suffix is not supported")
-        return self
+        return suffix
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -168,7 +203,7 @@ class EmbeddingRequest(_Lenient):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1, le=_INT32_MAX)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:

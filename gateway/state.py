@@ -8,6 +8,7 @@ from typing import Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
+from gateway.control.plane import ControlPlane
 from gateway.dispatch import Dispatcher
 from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ModelCatalog
@@ -29,6 +30,8 @@ class GatewayState:
     unknown_fields: UnknownFieldLog
     images: ImageInputs
     draining: bool = False
+    control: ControlPlane | None = None
+    """SQL-backed parts (API keys, usage ledger); set by the lifespan once started."""
 
 
 def _state(request: Request) -> GatewayState:

@@ -16,11 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from shared.errors import InvalidRequest
-
-
-class ChatTemplateError(InvalidRequest):
-    """The messages cannot be rendered by this model's chat template."""
+from shared.errors import ChatTemplateError, InvalidRequest
 
 
 def _raise_exception(message: str) -> None:
@@ -38,6 +34,11 @@ class ModelTokenizer:
         # prompts must be exact, and too-long inputs must be refused, not cut.
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
+        self.max_token_chars = max(
+            (len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
+        """The longest vocabulary entry: no token covers more characters of input text, so
+        the gateway can refuse text too long for the context window without tokenizing it."""
         config = _read_json(folder / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))

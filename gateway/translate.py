@@ -9,9 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from gateway import limits
 from gateway.model_catalog import ServedModel
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,43 @@ class UnknownFieldLog:
             log.info("ignoring unknown request field %r (logged once)", name)
 
 
+def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
+    """Known OpenAI fields whose meaning this server cannot honour are a 400, not ignored:
+    a client that asked for tool calls must not mistake a plain answer for one."""
+    if isinstance(request, ChatCompletionRequest):
+        _refuse_chat_features(request, model.name)
+    elif isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
+        raise UnsupportedParameter(
+            "best_of is not supported (only best_of equal to n, which returns every sample)",
+            param="best_of",
+        )
+
+
+def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
+    tool_calling = f"tool calling is not supported for model `{name}`"
+    if request.tools:
+        raise UnsupportedParameter(f"{tool_calling}; send the request without tools", param="tools")
+    if request.tool_choice not in (None, "none"):
+        raise UnsupportedParameter(
+            f'{tool_calling}; tool_choice may only be "none"', param="tool_choice"
+        )
+    if request.functions:
+        raise UnsupportedParameter(
+            f"{tool_calling}; send the request without functions", param="functions"
+        )
+    if request.function_call not in (None, "none"):
+        raise UnsupportedParameter(
+            f'{tool_calling}; function_call may only be "none"', param="function_call"
+        )
+    if request.audio is not None or any(m != "text" for m in request.modalities or ()):
+        raise UnsupportedParameter(
+            f"model `{name}` answers with text only",
+            param="audio" if request.audio is not None else "modalities",
+        )
+    if request.web_search_options is not None:
+        raise UnsupportedParameter("web search is not supported", param="web_search_options")
+
+
 def chat_prompt(request: ChatCompletionRequest, model: ServedModel, images: int = 0) -> list[int]:
     """The prompt's token ids; a vision-language model's images appear as one (unexpanded)
     placeholder token each, which the engine expands to the image's embeddings."""
@@ -60,8 +98,9 @@ def _message_dict(position: int, message: Any, vision: bool) -> dict[str, Any]:
         if vision:
             content = [_template_part(part) for part in content]
         else:
-            content = "".join(_text_only(position, index, part) for index, part in
-                              enumerate(content))
+            content = "".join(
+                _text_only(position, index, part) for index, part in enumerate(content)
+            )
     entry: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name:
         entry["name"] = message.name
@@ -84,11 +123,16 @@ def _text_only(position: int, index: int, part: Any) -> str:
     return str(part.text)
 
 
-def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
     try:
-        prompts = request.prompts()
+        return request.prompts()
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="prompt") from exc
+
+
+def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    prompts = prompt_list(request)
+    limits.check_prompts_fit(prompts, model, "prompt", indexed=False)
     vocab = model.tokenizer.vocab_size()
     token_lists: list[list[int]] = []
     for prompt in prompts:
@@ -111,16 +155,31 @@ def choices(
     logprobs: int | None,
 ) -> list[ChoiceSpec]:
     """``n`` choices per prompt, indexed the way OpenAI numbers them."""
+    bias = logit_bias(request, model)
     specs = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt), model.max_model_len)
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             seed = None if request.seed is None else request.seed + sample
-            specs.append(
-                ChoiceSpec(index, prompt, sampling_options(request, max_tokens, seed, logprobs))
-            )
+            options = sampling_options(request, max_tokens, seed, logprobs, bias)
+            specs.append(ChoiceSpec(index, prompt, options))
     return specs
+
+
+def logit_bias(request: SamplingFields, model: ServedModel) -> dict[int, float] | None:
+    """``logit_bias`` with every token id checked against the model's vocabulary."""
+    if not request.logit_bias:
+        return None
+    vocab = model.tokenizer.vocab_size()
+    bad = sorted(token for token in request.logit_bias if not 0 <= token < vocab)
+    if bad:
+        raise InvalidRequest(
+            f"logit_bias holds token id(s) {bad[:5]} outside the vocabulary of `{model.name}` "
+            f"(0..{vocab - 1})",
+            param="logit_bias",
+        )
+    return dict(request.logit_bias)
 
 
 def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) -> int:
@@ -134,6 +193,7 @@ def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) ->
                 f"has {prompt_len} tokens, leaving no room to generate. Shorten the prompt.",
                 param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             )
+        _check_min_tokens(request, room)
         return int(room)
     if prompt_len + budget > max_model_len:
         raise ContextLengthExceeded(
@@ -142,11 +202,25 @@ def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) ->
             f"completion). Reduce max_tokens to at most {max(room, 0)} or shorten the prompt.",
             param=param,
         )
+    _check_min_tokens(request, budget)
     return int(budget)
 
 
+def _check_min_tokens(request: SamplingFields, max_tokens: int) -> None:
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({request.min_tokens}) is more than the {max_tokens} tokens this "
+            "request may generate (max_tokens, or what the context window leaves)",
+            param="min_tokens",
+        )
+
+
 def sampling_options(
-    request: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int,
+    seed: int | None,
+    logprobs: int | None,
+    logit_bias: dict[int, float] | None = None,
 ) -> SamplingOptions:
     json_schema, json_object = _structured(request)
     return SamplingOptions(
@@ -165,6 +239,7 @@ def sampling_options(
         logprobs=logprobs,
         json_schema=json_schema,
         json_object=json_object,
+        logit_bias=logit_bias,
     )
 
 

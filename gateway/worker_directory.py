@@ -8,7 +8,9 @@ import time
 
 from redis.exceptions import RedisError
 
-from shared.registry import WorkerRegistration, WorkerRegistry
+from gateway.model_catalog import ModelKind
+from shared.liveness import WorkerRegistration, WorkerRegistry
+from shared.roles import ANSWERING_ROLES, Role
 
 log = logging.getLogger(__name__)
 
@@ -49,38 +51,38 @@ class WorkerDirectory:
             await self.refresh()
             await asyncio.sleep(self._refresh_s)
 
-    def serving(self, model: str, role: str | None = None) -> list[WorkerRegistration]:
+    def serving(self, model: str, role: Role | None = None) -> list[WorkerRegistration]:
         return [
             w
             for w in self._workers
             if w.model == model and w.ready and not w.draining and (role is None or w.role == role)
         ]
 
-    def first_stage(self, model: str, prompt_tokens: int, min_prefill_tokens: int) -> str | None:
+    def first_stage(self, model: str, prompt_tokens: int, min_prefill_tokens: int) -> Role | None:
         """Where a request starts: prefill (then decode) when the model has both pools and
         the prompt fills a KV block; otherwise aggregated, or decode alone; None if nothing."""
-        has_prefill = bool(self.serving(model, "prefill"))
-        decoders = self.serving(model, "decode")
+        has_prefill = bool(self.serving(model, Role.PREFILL))
+        decoders = self.serving(model, Role.DECODE)
         has_decode = bool(decoders)
         if not all(w.can_decode_alone for w in decoders):
             min_prefill_tokens = 0
         if has_prefill and has_decode and prompt_tokens >= min_prefill_tokens:
-            return "prefill"
-        if self.serving(model, "aggregated"):
-            return "aggregated"
+            return Role.PREFILL
+        if self.serving(model, Role.AGGREGATED):
+            return Role.AGGREGATED
         if has_decode:
-            return "decode"
+            return Role.DECODE
         return None
 
     def answers(self, model: str, kind: str) -> bool:
         """Whether a request can run to the end: an encode worker alone cannot answer."""
-        if kind == "embed":
-            return bool(self.serving(model, "embed"))
-        return any(self.serving(model, role) for role in ("aggregated", "decode"))
+        if kind == ModelKind.EMBED:
+            return bool(self.serving(model, Role.EMBED))
+        return any(self.serving(model, role) for role in ANSWERING_ROLES)
 
-    def pools(self) -> dict[str, dict[str, int]]:
+    def pools(self) -> dict[str, dict[Role, int]]:
         """Ready, non-draining workers per model and role: what routing can use now."""
-        pools: dict[str, dict[str, int]] = {}
+        pools: dict[str, dict[Role, int]] = {}
         for w in self._workers:
             if w.ready and not w.draining:
                 roles = pools.setdefault(w.model, {})

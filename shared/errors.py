@@ -2,19 +2,41 @@
 
 ConveyorError
 ├── InvalidRequest (400, invalid_request_error)      the client must change the request
-│   └── ContextLengthExceeded (400)                   prompt + max_tokens > context window
+│   ├── ContextLengthExceeded (400)                   prompt + max_tokens > context window
+│   ├── UnsupportedParameter (400)                    a known OpenAI field this server cannot honour
+│   ├── RequestTooLarge (413)                         the request body is over the size limit
+│   ├── ChatTemplateError (400)                       the model's chat template refuses the messages
+│   ├── ImageFetchError (400, invalid_image_url)      an image URL not allowed or not fetchable
+│   └── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
+├── InvalidApiKey (401, invalid_api_key)              no, malformed, unknown, revoked or expired key
+├── PermissionDenied (403)                            the key lacks the scope the endpoint needs
 ├── IdempotencyConflict (409)                         same Idempotency-Key still running
+├── ApiKeyRevoked (409)                               an admin change to a key that is revoked
 ├── ModelNotFound (404, model_not_found)
+├── ApiKeyNotFound (404)                              /admin/keys/{id} names no key
 ├── Overloaded (429, rate_limit_exceeded)             recoverable: retry after `retry_after_s`
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
 ├── GatewayDraining (503)                             recoverable: another gateway / later
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
 ├── EngineError (500, server_error)                   one request failed inside the engine
-│   └── EngineDead (500)                              the engine is gone; the worker must exit
-└── BackendUnavailable (503)                          Redis could not be reached
+│   ├── EngineDead (500)                              the engine is gone; the worker must exit
+│   ├── PoisonJob (500)                               failed on max_deliveries runs: dead-lettered
+│   └── MigrationRefused (500)                        a job that stopped mid-stream cannot resume
+├── MediaMissing (500)                                a job's stored image or embedding expired
+├── RemoteError (any)                                 an error a worker reported for one sequence
+├── BackendUnavailable (503)                          Redis could not be reached
+└── DatabaseUnavailable (503)                         the SQL database could not be reached
+
+Not a ConveyorError (never shown to a client as such):
+ProtocolError (ValueError)                            a message that cannot be decoded
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.protocol import ErrorEvent
 
 
 class ConveyorError(Exception):
@@ -47,10 +69,64 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class UnsupportedParameter(InvalidRequest):
+    """An OpenAI field (e.g. ``tools``) whose meaning this server cannot honour: refused, not
+    ignored, so a client never mistakes a plain answer for the feature it asked for."""
+
+    code = "unsupported_parameter"
+
+
+class RequestTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+
 class WrongModelKind(InvalidRequest):
     """An embedding model asked to generate, or a generation model asked to embed."""
 
     code = "model_not_supported"
+
+
+class ChatTemplateError(InvalidRequest):
+    """The messages cannot be rendered by this model's chat template."""
+
+
+class ImageFetchError(InvalidRequest):
+    """The URL is not allowed or its bytes could not be fetched."""
+
+    code = "invalid_image_url"
+
+
+class InvalidImage(InvalidRequest):
+    """The bytes are not an image Conveyor accepts."""
+
+    code = "invalid_image"
+
+
+class InvalidApiKey(ConveyorError):
+    """Authentication failed. The message shows a masked key only, never the secret."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(ConveyorError):
+    status = 403
+    type = "invalid_request_error"
+    code = "insufficient_permissions"
+
+
+class ApiKeyNotFound(ConveyorError):
+    status = 404
+    type = "invalid_request_error"
+    code = "api_key_not_found"
+
+
+class ApiKeyRevoked(ConveyorError):
+    status = 409
+    type = "invalid_request_error"
+    code = "api_key_revoked"
 
 
 class IdempotencyConflict(ConveyorError):
@@ -97,6 +173,12 @@ class BackendUnavailable(RetryableError):
     code = "backend_unavailable"
 
 
+class DatabaseUnavailable(RetryableError):
+    status = 503
+    type = "service_unavailable"
+    code = "database_unavailable"
+
+
 class DeadlineExceeded(ConveyorError):
     status = 504
     type = "timeout"
@@ -111,3 +193,36 @@ class EngineError(ConveyorError):
 
 class EngineDead(EngineError):
     code = "engine_dead"
+
+
+class PoisonJob(EngineError):
+    """The job was started ``max_deliveries`` times and went to the dead-letter stream."""
+
+    code = "job_failed_repeatedly"
+
+
+class MigrationRefused(EngineError):
+    """The job's worker stopped mid-stream and the job may not continue elsewhere."""
+
+    code = "migration_failed"
+
+
+class MediaMissing(ConveyorError):
+    """An image or embedding a job refers to is gone (expired or never stored)."""
+
+    status = 500
+    type = "server_error"
+
+
+class RemoteError(ConveyorError):
+    """An error a worker reported for one sequence: status, type and code as it sent them."""
+
+    def __init__(self, event: ErrorEvent) -> None:
+        super().__init__(event.message, param=event.param)
+        self.status = event.status
+        self.type = event.type
+        self.code = event.code
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded (wrong version or malformed payload)."""

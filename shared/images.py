@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from shared.errors import InvalidRequest
+from shared.errors import InvalidImage
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -24,12 +24,6 @@ _MAGIC: Final = (
     (b"\xff\xd8\xff", "JPEG"),
     (b"\x89PNG\r\n\x1a\n", "PNG"),
 )
-
-
-class InvalidImage(InvalidRequest):
-    """The bytes are not an image Conveyor accepts."""
-
-    code = "invalid_image"
 
 
 def content_hash(data: bytes) -> str:

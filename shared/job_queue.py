@@ -18,8 +18,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.protocol import EmbedJob, GenerateJob, Job, ProtocolError, decode, encode
+from shared.errors import ProtocolError
+from shared.protocol import VERSION, EmbedJob, GenerateJob, Job, decode, encode
 from shared.redis_conn import as_text
+from shared.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,24 @@ class AdmissionResult:
 
 
 @dataclass(frozen=True, slots=True)
+class JobStream:
+    """The job stream of one (model, role)."""
+
+    model: str
+    role: Role
+
+    @property
+    def name(self) -> str:
+        return keys.job_stream(self.model, self.role)
+
+
+@dataclass(frozen=True, slots=True)
 class Delivery:
     stream: str
     entry_id: str
     job: Job
+    role: Role
+    """The role of the stream it was read from (a job's run keys are per role)."""
 
 
 class JobQueue:
@@ -86,7 +102,7 @@ class JobQueue:
         if not jobs:
             raise ValueError("submit needs at least one job")
         idem = keys.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
-        args: list[bytes | str | int] = [max_depth, idempotency_ttl_s, jobs[0].request_id, b"1"]
+        args: list[bytes | str | int] = [max_depth, idempotency_ttl_s, jobs[0].request_id, VERSION]
         for job in jobs:
             fields = encode(job)
             args.extend([b"m", fields[b"m"]])
@@ -102,37 +118,38 @@ class JobQueue:
                 raise
 
     async def read(
-        self, streams: Sequence[str], consumer: str, *, count: int, block_ms: int
+        self, streams: Sequence[JobStream], consumer: str, *, count: int, block_ms: int
     ) -> list[Delivery]:
         """New entries for ``consumer``; malformed ones are dead-ended and skipped."""
+        by_name = {stream.name: stream for stream in streams}
         reply: Any = await self._redis.xreadgroup(
-            keys.JOB_GROUP, consumer, {s: ">" for s in streams}, count=count, block=block_ms
+            keys.JOB_GROUP, consumer, dict.fromkeys(by_name, ">"), count=count, block=block_ms
         )
         deliveries: list[Delivery] = []
         for raw_stream, entries in reply or []:
-            deliveries += await self._decode_entries(as_text(raw_stream), entries)
+            deliveries += await self._decode_entries(by_name[as_text(raw_stream)], entries)
         return deliveries
 
-    async def _decode_entries(self, stream: str, entries: list[Any]) -> list[Delivery]:
+    async def _decode_entries(self, stream: JobStream, entries: list[Any]) -> list[Delivery]:
         deliveries: list[Delivery] = []
         for raw_id, fields in entries:
             entry_id = as_text(raw_id)
             try:
                 message = decode(fields)
             except ProtocolError as exc:
-                log.error("dropping undecodable entry %s on %s: %s", entry_id, stream, exc)
-                await self.ack(stream, entry_id)
+                log.error("dropping undecodable entry %s on %s: %s", entry_id, stream.name, exc)
+                await self.ack(stream.name, entry_id)
                 continue
             if isinstance(message, GenerateJob | EmbedJob):
-                deliveries.append(Delivery(stream, entry_id, message))
+                deliveries.append(Delivery(stream.name, entry_id, message, stream.role))
             else:
-                log.error("dropping non-job entry %s on %s", entry_id, stream)
-                await self.ack(stream, entry_id)
+                log.error("dropping non-job entry %s on %s", entry_id, stream.name)
+                await self.ack(stream.name, entry_id)
         return deliveries
 
     async def reclaim(
         self,
-        stream: str,
+        stream: JobStream,
         consumer: str,
         *,
         min_idle_ms: int,
@@ -143,7 +160,12 @@ class JobQueue:
         """Take over entries idle for ``min_idle_ms`` held by ``from_consumers`` (dead
         workers; default: any consumer but ``consumer`` itself)."""
         rows: Any = await self._redis.xpending_range(
-            stream, keys.JOB_GROUP, min="-", max="+", count=max(count * 4, 64), idle=min_idle_ms
+            stream.name,
+            keys.JOB_GROUP,
+            min="-",
+            max="+",
+            count=max(count * 4, 64),
+            idle=min_idle_ms,
         )
         ids = [
             row["message_id"]
@@ -154,9 +176,14 @@ class JobQueue:
         if not ids:
             return []
         entries: Any = await self._redis.xclaim(
-            stream, keys.JOB_GROUP, consumer, min_idle_ms, ids
+            stream.name, keys.JOB_GROUP, consumer, min_idle_ms, ids
         )
         return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+
+    async def consumers(self, stream: JobStream) -> list[str]:
+        """The consumers (workers) holding pending entries of ``stream``."""
+        summary: Any = await self._redis.xpending(stream.name, keys.JOB_GROUP)
+        return [as_text(c["name"]) for c in summary.get("consumers") or []]
 
     async def ack(self, stream: str, entry_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

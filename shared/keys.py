@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shared.roles import Role
+
 PREFIX = "conveyor"
 
 JOB_GROUP = "workers"
@@ -16,8 +18,8 @@ def control_channel(db: int) -> str:
     return CONTROL_CHANNEL if db == 0 else f"{CONTROL_CHANNEL}:{db}"
 
 
-def job_stream(model: str, role: str) -> str:
-    """One stream per (model, stage)."""
+def job_stream(model: str, role: Role) -> str:
+    """One stream per (model, role)."""
     return f"{PREFIX}:jobs:{model}:{role}"
 
 
@@ -31,14 +33,9 @@ def stream_done_counter(job_stream_name: str) -> str:
     return f"{job_stream_name}:done"
 
 
-def stage_of_stream(job_stream_name: str) -> str:
-    """The stage (role) a job stream feeds: the last part of its name."""
-    return job_stream_name.rsplit(":", 1)[-1]
-
-
-def job_run(job_id: str, stage: str) -> str:
-    """Hash: the owning run's fence token, number of starts, next seq (one per stage)."""
-    return f"{PREFIX}:run:{stage}:{job_id}"
+def job_run(job_id: str, role: Role) -> str:
+    """Hash: the owning run's fence token, number of starts, next seq (one per role)."""
+    return f"{PREFIX}:run:{role}:{job_id}"
 
 
 RUN_PATTERN = f"{PREFIX}:run:*"
@@ -48,9 +45,9 @@ def job_of_run(run_key: str) -> str:
     return run_key.removeprefix(f"{PREFIX}:run:").split(":", 1)[-1]
 
 
-def job_emitted(job_id: str, stage: str) -> str:
+def job_emitted(job_id: str, role: Role) -> str:
     """String of int32 token ids already sent to the client."""
-    return f"{PREFIX}:emitted:{stage}:{job_id}"
+    return f"{PREFIX}:emitted:{role}:{job_id}"
 
 
 _REPLY_PREFIX = f"{PREFIX}:reply:"
@@ -97,3 +94,18 @@ def image(digest: str) -> str:
 def image_embedding(model: str, digest: str) -> str:
     """An encode worker's embedding of one image for one model (the redis transport)."""
     return f"{PREFIX}:embedding:{model}:{digest}"
+
+
+API_KEYS_GENERATION = f"{PREFIX}:apikeys:generation"
+"""Counter bumped after every change to the API keys in SQL; gateways poll it and reload."""
+
+USAGE_STREAM = f"{PREFIX}:usage"
+"""Usage records on their way to the SQL ledger (drained by the `ledger` consumer group)."""
+
+USAGE_GROUP = "ledger"
+
+USAGE_DEAD_LETTER = f"{PREFIX}:usage:dead"
+"""Usage entries that could not be decoded, kept for an operator instead of dropped."""
+
+LEDGER_RETENTION_LOCK = f"{PREFIX}:ledger:retention"
+"""Held (SET NX with a TTL) by the one gateway deleting expired ledger rows this period."""

@@ -22,18 +22,11 @@ from typing import TYPE_CHECKING, Protocol
 import redis.asyncio as aioredis
 
 from shared import keys
-from shared.errors import ConveyorError
+from shared.errors import MediaMissing
 from shared.images import DecodedImageCache, decode_rgb
 
 if TYPE_CHECKING:
     from PIL.Image import Image
-
-
-class MediaMissing(ConveyorError):
-    """An image or embedding a job refers to is gone (expired or never stored)."""
-
-    status = 500
-    type = "server_error"
 
 
 class ImageStore:

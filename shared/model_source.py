@@ -13,7 +13,7 @@ def resolve_model_path(settings: Settings) -> str:
     """The configured model, or the demo model (generated on first use)."""
     if settings.model:
         return settings.model
-    from conveyor.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+    from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
 
     kind = demo_kind(settings)
     path = write_demo_model(settings.demo_model_path(kind), kind=kind)

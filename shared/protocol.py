@@ -13,22 +13,28 @@ from typing import Any, Final
 
 import msgspec
 
+from shared.errors import ProtocolError
+from shared.roles import Role
+
 PROTOCOL_VERSION: Final = 1
+VERSION: Final = b"%d" % PROTOCOL_VERSION
+"""The version field's value, as every writer sends it (the journal's and the admission's
+Lua scripts get it as an argument)."""
 VERSION_FIELD: Final = b"v"
 PAYLOAD_FIELD: Final = b"m"
 EVENTS_FIELD: Final = b"e"
 """A reply-stream entry holding a MessagePack array of events (one engine step's worth)."""
 
 
-class ProtocolError(ValueError):
-    """A message could not be decoded (wrong version or malformed payload)."""
-
-
 # --------------------------------------------------------------------------- jobs
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
-    """What the engine needs to sample one sequence (OpenAI names, engine semantics)."""
+    """What the engine needs to sample one sequence (OpenAI names, engine semantics).
+
+    Encoded as a map with defaults omitted: a new field takes a default (and goes at the
+    end), so messages written before it still decode, without a protocol version bump.
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -50,6 +56,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     """JSON schema (serialized) the output must follow."""
     json_object: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
 
 
 class ImageRef(msgspec.Struct, frozen=True, array_like=True):
@@ -78,8 +86,8 @@ class GenerateJob(
     """The prompt's images, in the order of its (unexpanded) image placeholders."""
     images_encoded: bool = False
     """An encode worker stored the images' embeddings: use those, not the raw images."""
-    after_encode: str | None = None
-    """Encode stage: the stage (role) the job goes to once its images are encoded."""
+    after_encode: Role | None = None
+    """Encode stage: the role (stage) the job goes to once its images are encoded."""
 
     @property
     def job_id(self) -> str:
@@ -197,7 +205,7 @@ _events_decoder = msgspec.msgpack.Decoder(list[Event])
 
 def encode(message: Message) -> dict[bytes, bytes]:
     """Stream-entry fields for ``message``."""
-    return {VERSION_FIELD: b"%d" % PROTOCOL_VERSION, PAYLOAD_FIELD: _encoder.encode(message)}
+    return {VERSION_FIELD: VERSION, PAYLOAD_FIELD: _encoder.encode(message)}
 
 
 def encode_payload(message: Message) -> bytes:
@@ -206,19 +214,19 @@ def encode_payload(message: Message) -> bytes:
 
 
 def encode_bytes(message: Message) -> bytes:
-    return b"%d:" % PROTOCOL_VERSION + _encoder.encode(message)
+    return VERSION + b":" + _encoder.encode(message)
 
 
 def decode(fields: dict[bytes, bytes]) -> Message:
     version = fields.get(VERSION_FIELD)
-    if version != b"%d" % PROTOCOL_VERSION:
+    if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}")
     return _decode_payload(fields.get(PAYLOAD_FIELD, b""))
 
 
 def encode_events(events: list[Event]) -> dict[bytes, bytes]:
     """Stream-entry fields for several events (workers build the same bytes in Lua)."""
-    return {VERSION_FIELD: b"%d" % PROTOCOL_VERSION, EVENTS_FIELD: _encoder.encode(events)}
+    return {VERSION_FIELD: VERSION, EVENTS_FIELD: _encoder.encode(events)}
 
 
 def decode_events(fields: dict[bytes, bytes]) -> list[Message]:
@@ -227,7 +235,7 @@ def decode_events(fields: dict[bytes, bytes]) -> list[Message]:
     if batch is None:
         return [decode(fields)]
     version = fields.get(VERSION_FIELD)
-    if version != b"%d" % PROTOCOL_VERSION:
+    if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}")
     try:
         events: list[Message] = list(_events_decoder.decode(batch))
@@ -238,7 +246,7 @@ def decode_events(fields: dict[bytes, bytes]) -> list[Message]:
 
 def decode_bytes(data: bytes) -> Message:
     version, _, payload = data.partition(b":")
-    if version != b"%d" % PROTOCOL_VERSION:
+    if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}")
     return _decode_payload(payload)
 

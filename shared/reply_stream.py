@@ -16,17 +16,18 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared.errors import ProtocolError
 from shared.protocol import (
     EmbeddingEvent,
     ErrorEvent,
     Event,
     FinishEvent,
     Message,
-    ProtocolError,
     TokenEvent,
     decode_events,
 )
 from shared.redis_conn import MAX_BLOCK_MS, as_text
+from shared.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ReplyRouter:
         keep_history_s: float = 120.0,
         block_ms: int = 2000,
         outage_limit_s: float = 6.0,
+        watchdog_tick_s: float = 1.0,
     ) -> None:
         self._redis = redis
         self.stream = stream
@@ -60,6 +62,9 @@ class ReplyRouter:
         self._last_id = "0-0"
         self._block_ms = min(block_ms, MAX_BLOCK_MS)
         self._outage_limit_s = outage_limit_s
+        self._watchdog_tick_s = watchdog_tick_s
+        self.watchdog_checks = 0
+        """Times the watchdog has looked (tests wait on it, not on its clock)."""
         self._last_ok = time.monotonic()
         self.connected = asyncio.Event()
 
@@ -85,12 +90,13 @@ class ReplyRouter:
         """End open requests cleanly when Redis has been unreachable too long."""
         limit = self._block_ms / 1000 + self._outage_limit_s
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self._watchdog_tick_s)
             silent = time.monotonic() - self._last_ok
             if silent > limit and self._routes:
                 log.error("no answer from Redis for %.0fs: ending %d open requests",
                           silent, len(self._routes))
                 self.interrupt_all(f"lost contact with Redis for {silent:.0f}s; retry")
+            self.watchdog_checks += 1
 
     def interrupt_all(self, reason: str) -> None:
         routes, self._routes = self._routes, {}
@@ -100,7 +106,7 @@ class ReplyRouter:
 
     async def _read_forever(self) -> None:
         last_trim = time.monotonic()
-        backoff = 0.1
+        backoff = Backoff(first_s=0.1, max_s=2.0)
         while True:
             try:
                 reply: Any = await self._redis.xread(
@@ -108,12 +114,12 @@ class ReplyRouter:
                 )
                 self._last_ok = time.monotonic()
                 self.connected.set()
-                backoff = 0.1
+                backoff.reset()
             except RedisError as exc:
                 self.connected.clear()
-                log.warning("reply stream read failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                delay = backoff.next_delay()
+                log.warning("reply stream read failed (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
                 continue
             for _stream, entries in reply or []:
                 for raw_id, fields in entries:

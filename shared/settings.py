@@ -10,17 +10,12 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.roles import Role
 
-class Role(StrEnum):
-    AGGREGATED = "aggregated"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    EMBED = "embed"
-    ENCODE = "encode"
-    """Runs a vision-language model's image encoder; hands embeddings to the language stage."""
+__all__ = ["EngineKind", "Mode", "Role", "Settings"]
 
 
 class Mode(StrEnum):
@@ -31,6 +26,13 @@ class Mode(StrEnum):
 class EngineKind(StrEnum):
     VLLM = "vllm"
     SGLANG = "sglang"
+
+
+class AuthMode(StrEnum):
+    ON = "on"
+    OFF = "off"
+    AUTO = "auto"
+    """On when CONVEYOR_ADMIN_KEY is set, off otherwise."""
 
 
 class Settings(BaseSettings):
@@ -71,6 +73,17 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         600.0, description="Server-side deadline of a request (header X-Request-Timeout overrides)."
     )
+    max_request_timeout_s: float = Field(
+        3600.0,
+        description="Longest deadline a request may ask for: a larger X-Request-Timeout (or "
+        "request_timeout_s) is cut to this.",
+    )
+    max_request_body_bytes: int = Field(
+        16 * 1024 * 1024,
+        description="Largest request body, checked while it is read (413 past it). Inline "
+        "(data: URL) images count: raise it to send images over ~12 MiB inline.",
+    )
+    max_messages: int = Field(2048, description="Messages one chat request may carry.")
     sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
     access_log: bool = Field(
         False,
@@ -82,8 +95,36 @@ class Settings(BaseSettings):
         description="How long the gateway retries queueing a request while Redis is "
         "unreachable (a restart takes about a second) before answering 503.",
     )
-    idempotency_ttl_s: int = Field(
-        3600, description="How long an Idempotency-Key is remembered."
+    idempotency_ttl_s: int = Field(3600, description="How long an Idempotency-Key is remembered.")
+    # --- control plane (SQL state, API keys, usage ledger) -------------------
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the state database (postgresql+asyncpg://user@host/db "
+        "or sqlite+aiosqlite:///path). Unset: an embedded SQLite file "
+        "<data_dir>/conveyor.db that the gateway migrates itself. A database set here is "
+        "never migrated automatically: run `conveyor db upgrade`.",
+    )
+    auth: AuthMode = Field(
+        AuthMode.AUTO,
+        description="API keys: `on` (every endpoint but /health and /ready needs a key), "
+        "`off`, or `auto` (on when admin_key is set).",
+    )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="A secret that acts as an admin API key (never stored). Setting it turns "
+        "auth on.",
+    )
+    allow_unauthenticated_public: bool = Field(
+        False,
+        description="Let the gateway run with auth off while listening on a non-loopback "
+        "address (anyone who reaches it can use it).",
+    )
+    metrics_scopes: str = Field(
+        "metrics,admin",
+        description="Scopes (comma-separated) any one of which lets a key read /metrics.",
+    )
+    usage_retention_days: int = Field(
+        0, description="Delete usage ledger rows older than this many days (0: keep them all)."
     )
     # --- images (vision-language models) ------------------------------------
     image_url_schemes: str = Field(
@@ -156,6 +197,11 @@ class Settings(BaseSettings):
     worker_max_slots: int = Field(
         64, description="Concurrent requests a worker runs (continuous batching)."
     )
+    job_read_block_ms: int = Field(
+        1000,
+        description="How long a worker's job read blocks when its queue is empty (at most "
+        "half the Redis socket timeout); it sees a stop at least this often.",
+    )
     max_model_len: int | None = Field(
         None, description="Context window (default: the model's max_position_embeddings)."
     )
@@ -224,6 +270,26 @@ class Settings(BaseSettings):
         if self.embed_model == "default":
             return "all-MiniLM-L6-v2"
         return Path(str(self.embed_model).rstrip("/")).name
+
+    def database_url_or_default(self) -> str:
+        """The configured database, or the embedded SQLite file in ``data_dir``."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'conveyor.db').resolve()}"
+
+    def database_is_embedded(self) -> bool:
+        """The default SQLite file: Conveyor owns it and migrates it itself."""
+        return not self.database_url
+
+    def auth_enabled(self) -> bool:
+        if self.auth is AuthMode.AUTO:
+            return self.admin_secret() is not None
+        return self.auth is AuthMode.ON
+
+    def admin_secret(self) -> str | None:
+        """CONVEYOR_ADMIN_KEY's value (an empty value counts as unset)."""
+        value = self.admin_key.get_secret_value() if self.admin_key is not None else ""
+        return value or None
 
     def demo_model_path(self, kind: str = "llama") -> Path:
         return self.data_dir / ("demo-model" if kind == "llama" else f"demo-model-{kind}")

@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.errors import ConveyorError, DeadlineExceeded, EngineError
+from shared.errors import ConveyorError, DeadlineExceeded, MigrationRefused, PoisonJob
+from shared.liveness import GatewayWatch
 from shared.protocol import GenerateJob, Job, encode
-from workers.gateway_watch import GatewayWatch
 from workers.journal import RunLease
 
 log = logging.getLogger(__name__)
@@ -30,14 +30,6 @@ class Verdict(Enum):
     RUN = "run"
     DROP = "drop"
     FAIL = "fail"
-
-
-class PoisonJob(EngineError):
-    code = "job_failed_repeatedly"
-
-
-class MigrationRefused(EngineError):
-    code = "migration_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,58 +45,64 @@ class Decision:
     error: ConveyorError | None = None
 
 
-async def clients_gone(
-    redis: aioredis.Redis, jobs: Sequence[Job], gateways: GatewayWatch
-) -> list[str | None]:
-    """Per job: why its client is gone, or None. One round trip for all of ``jobs``."""
-    async with redis.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.exists(keys.cancel_flag(job.request_id))
-            pipe.exists(keys.gateway_heartbeat(keys.gateway_of_reply_stream(job.reply_to)))
-        replies = await pipe.execute()
-    return [
-        _gone(job, bool(cancelled), bool(gateway_alive), gateways)
-        for job, cancelled, gateway_alive in zip(jobs, replies[::2], replies[1::2], strict=True)
-    ]
+class Intake:
+    """The checks, with what they read: Redis, the policy, which gateways are gone."""
 
+    def __init__(self, redis: aioredis.Redis, policy: IntakePolicy, gateways: GatewayWatch) -> None:
+        self._redis = redis
+        self._policy = policy
+        self._gateways = gateways
 
-def _gone(job: Job, cancelled: bool, gateway_alive: bool, gateways: GatewayWatch) -> str | None:
-    gateway = keys.gateway_of_reply_stream(job.reply_to)
-    if cancelled:
-        return "client disconnected"
-    if gateways.observe({gateway: gateway_alive}):
-        return f"its gateway {gateway} is gone"
-    return None
+    async def clients_gone(self, jobs: Sequence[Job]) -> list[str | None]:
+        """Per job: why its client is gone, or None. One round trip for all of ``jobs``."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.exists(keys.cancel_flag(job.request_id))
+                pipe.exists(keys.gateway_heartbeat(keys.gateway_of_reply_stream(job.reply_to)))
+            replies = await pipe.execute()
+        return [
+            self._gone(job, bool(cancelled), bool(gateway_alive))
+            for job, cancelled, gateway_alive in zip(jobs, replies[::2], replies[1::2],
+                                                     strict=True)
+        ]
 
+    def _gone(self, job: Job, cancelled: bool, gateway_alive: bool) -> str | None:
+        gateway = keys.gateway_of_reply_stream(job.reply_to)
+        if cancelled:
+            return "client disconnected"
+        if self._gateways.observe({gateway: gateway_alive}):
+            return f"its gateway {gateway} is gone"
+        return None
 
-async def decide(
-    redis: aioredis.Redis, lease: RunLease, policy: IntakePolicy, gone: str | None
-) -> Decision:
-    """What to do with a leased job; ``gone`` is :func:`client_gone`'s answer."""
-    job = lease.delivery.job
-    if gone is not None:
-        return Decision(Verdict.DROP, gone)
-    if time.time() > job.deadline_unix:
-        return Decision(
-            Verdict.FAIL,
-            "deadline passed while queued",
-            DeadlineExceeded("the request's deadline passed while it was queued"),
-        )
-    if lease.attempt >= policy.max_deliveries:
+    async def decide(self, lease: RunLease, gone: str | None) -> Decision:
+        """What to do with a leased job; ``gone`` is :meth:`clients_gone`'s answer."""
+        job = lease.delivery.job
+        if gone is not None:
+            return Decision(Verdict.DROP, gone)
+        if time.time() > job.deadline_unix:
+            return Decision(
+                Verdict.FAIL,
+                "deadline passed while queued",
+                DeadlineExceeded("the request's deadline passed while it was queued"),
+            )
+        if lease.attempt >= self._policy.max_deliveries:
+            return await self._dead_letter(lease)
+        if lease.emitted:
+            refusal = _migration_refusal(job, lease, self._policy)
+            if refusal is not None:
+                return Decision(Verdict.FAIL, refusal, MigrationRefused(refusal))
+        return Decision(Verdict.RUN, "migrated" if lease.emitted else "new")
+
+    async def _dead_letter(self, lease: RunLease) -> Decision:
         error = PoisonJob(
             f"the request failed on {lease.attempt} workers in a row and was set aside "
             "(dead-letter queue); it will not be retried"
         )
         try:
-            await dead_letter(redis, lease, error.message)
+            await dead_letter(self._redis, lease, error.message)
         except RedisError as exc:  # the client still gets its error; only the copy is lost
             log.error("job %s: could not write its dead-letter entry: %s", lease.job_id, exc)
         return Decision(Verdict.FAIL, "dead-lettered", error)
-    if lease.emitted:
-        refusal = _migration_refusal(job, lease, policy)
-        if refusal is not None:
-            return Decision(Verdict.FAIL, refusal, MigrationRefused(refusal))
-    return Decision(Verdict.RUN, "migrated" if lease.emitted else "new")
 
 
 def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str | None:

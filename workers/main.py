@@ -1,4 +1,5 @@
-"""`conveyor worker`: build the engine for a role and run the worker loop until SIGTERM."""
+"""`conveyor worker`: load the role's engine (:mod:`workers.roles.table`) and run the
+worker loop until SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ import uuid
 
 import uvloop
 
-from shared import keys
-from shared.media_store import ImageStore, embedding_store
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
-from shared.settings import EngineKind, Role, Settings
-from workers.engines.base import Engine
-from workers.engines.vision_engine import VisionEngine
-from workers.prompt_images import PromptImageLoader
-from workers.runtime import WorkerPolicy, WorkerRuntime
+from shared.roles import Role
+from shared.settings import Settings
+from workers.assembly import WorkerPolicy, build_worker
+from workers.roles.table import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +26,7 @@ EXIT_CONFIG_ERROR = 2
 """Exit code for 'cannot start as configured' (conveyor up does not restart it)."""
 
 
-def new_worker_id(role: str) -> str:
+def new_worker_id(role: Role) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
@@ -55,58 +53,32 @@ async def serve(settings: Settings) -> int:
         # engine is shut down properly instead of being orphaned.
         loop.add_signal_handler(sig, stop_requested.set)
     try:
-        engine = build_engine(settings, model_path, served_name)
+        loaded = ROLES[settings.role](settings, model_path, served_name)
     except Exception as exc:
         log.error("worker could not load model %s: %s", model_path, _one_line(exc))
         return EXIT_CONFIG_ERROR
     await asyncio.sleep(0)
     if stop_requested.is_set():
-        engine.shutdown()
+        loaded.engine.shutdown()
         return 0
     redis = connect(settings.redis_url)
-    if isinstance(engine, VisionEngine):
-        engine.attach(redis)
-    runtime = WorkerRuntime(
-        worker_id=new_worker_id(settings.role.value),
-        role=settings.role.value,
-        streams=[keys.job_stream(served_name, settings.role.value)],
-        engine=engine,
+    runtime = build_worker(
+        worker_id=new_worker_id(settings.role),
+        role=settings.role,
+        model=served_name,
+        parts=loaded.connect(redis),
         redis=redis,
-        policy=WorkerPolicy(
-            max_slots=settings.worker_max_slots,
-            heartbeat_ttl_s=settings.heartbeat_ttl_s,
-            claim_idle_ms=int(settings.claim_idle_s * 1000),
-            shutdown_grace_s=settings.shutdown_grace_s,
-            max_deliveries=settings.max_deliveries,
-            migration_limit=settings.migration_limit,
-            canary_idle_s=settings.canary_idle_s,
-            gateway_grace_s=settings.gateway_liveness_ttl_s,
-            heartbeat_redis_url=settings.redis_url,
-        ),
-        images=PromptImageLoader(
-            ImageStore(redis), embedding_store(settings.embedding_transport, redis)
-        ),
+        policy=WorkerPolicy.from_settings(settings),
+        heartbeat_redis_url=settings.redis_url,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.stop)
     try:
         await runtime.run()
     finally:
-        engine.shutdown()
+        loaded.engine.shutdown()
         await redis.aclose()
     return 1 if runtime.engine_dead or runtime.journal_failed else 0
-
-
-def build_engine(settings: Settings, model_path: str, served_name: str) -> Engine:
-    if settings.role is Role.ENCODE:
-        return VisionEngine.load(settings, model_path, served_name)
-    if settings.engine is EngineKind.SGLANG:
-        from workers.engines.sglang_engine import SglangEngine
-
-        return SglangEngine(settings, model_path, served_name)
-    from workers.engines.vllm_engine import VllmEngine
-
-    return VllmEngine(settings, model_path, served_name)
 
 
 def run_worker(settings: Settings) -> int:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.media_store import DecodedImages, EmbeddingStore, ImageStore
+import redis.asyncio as aioredis
+
+from shared.media_store import DecodedImages, EmbeddingStore, ImageStore, embedding_store
 from shared.protocol import GenerateJob
+from shared.settings import Settings
 from workers.engines.base import PromptImages
-from workers.vision_encoder import ImageEmbedding
+from workers.engines.vision_encoder import ImageEmbedding
 
 DECODED_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -22,6 +25,11 @@ class PromptImageLoader:
     def __init__(self, images: ImageStore, embeddings: EmbeddingStore) -> None:
         self._embeddings = embeddings
         self._decoded = DecodedImages(images, DECODED_CACHE_BYTES)
+
+    @classmethod
+    def connect(cls, settings: Settings, redis: aioredis.Redis) -> PromptImageLoader:
+        """Images from the gateway's store, embeddings from the configured transport."""
+        return cls(ImageStore(redis), embedding_store(settings.embedding_transport, redis))
 
     async def load(self, job: GenerateJob) -> PromptImages | None:
         if not job.images:

@@ -1,4 +1,4 @@
-"""Liveness (/health) and readiness (/ready)."""
+"""Liveness (/health) and readiness (/ready). /admin/* lives in routes/admin.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(state: StateDep) -> JSONResponse:
-    """Redis answers and a live, non-draining worker serves every configured model."""
+    """Redis answers, a live, non-draining worker serves every configured model, and the
+    database schema is at head (keys loaded, when auth is on). A database outage after
+    that is reported (``control``) but does not fail readiness: known keys keep working
+    and usage rows wait in Redis."""
     problems: list[str] = []
     try:
         await state.redis.ping()
@@ -35,17 +38,9 @@ async def ready(state: StateDep) -> JSONResponse:
         models[model.name] = {"workers": len(workers)}
         if not state.directory.answers(model.name, model.kind.value):
             problems.append(f"no live worker serves {model.name}")
-    body = {"ready": not problems, "problems": problems, "models": models}
+    body: dict[str, Any] = {"ready": not problems, "problems": problems, "models": models}
+    if state.control is not None:
+        control_problems, body["control"] = await state.control.readiness()
+        problems += control_problems
+        body["ready"] = not problems
     return JSONResponse(body, status_code=200 if not problems else 503)
-
-
-@router.get("/admin/state")
-async def admin_state(state: StateDep) -> dict[str, Any]:
-    """What this gateway holds right now (for operators and leak checks)."""
-    return {
-        "gateway_id": state.gateway_id,
-        "draining": state.draining,
-        "open_requests": state.router.open_requests(),
-        "workers": [w.worker_id for w in state.directory.all()],
-        "pools": state.directory.pools(),
-    }

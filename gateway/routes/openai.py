@@ -9,14 +9,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway import translate
+from gateway import limits, translate
 from gateway.delivery import (
     EventStreamResponse,
     collect_response,
     stream_events,
     unless_disconnected,
 )
-from gateway.embeddings import collect_embeddings, input_token_ids
+from gateway.embeddings import collect_embeddings, embedding_inputs, input_token_ids
 from gateway.model_catalog import ModelKind, ServedModel
 from gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
 from gateway.schemas import (
@@ -26,13 +26,13 @@ from gateway.schemas import (
     SamplingFields,
 )
 from gateway.state import GatewayState, StateDep
-from shared.errors import GatewayDraining, InvalidRequest
+from shared.errors import GatewayDraining
 from shared.protocol import ImageRef
 
 router = APIRouter(prefix="/v1")
 
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
-RequestTimeout = Annotated[float | None, Header(alias="X-Request-Timeout")]
+IdempotencyKey = Annotated[str | None, Header(alias=limits.IDEMPOTENCY_HEADER)]
+RequestTimeout = Annotated[float | None, Header(alias=limits.TIMEOUT_HEADER)]
 
 
 @router.post("/chat/completions", response_model=None)
@@ -44,7 +44,9 @@ async def chat_completions(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     model = _admit(state, body)
-    timeout = _timeout(state, timeout_s)
+    timeout = limits.request_timeout_s(timeout_s, state.settings)
+    key = limits.idempotency_key(idempotency_key)
+    limits.check_chat(body, model, state.settings)
     images = await state.images.collect(body, model, timeout_s=timeout)
     prompt = await asyncio.to_thread(translate.chat_prompt, body, model, len(images))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
@@ -54,7 +56,7 @@ async def chat_completions(
         with_logprobs=body.logprobs,
         with_token_ids=body.return_token_ids,
     )
-    return await _run(state, request, body, fmt, choices, idempotency_key, timeout, images)
+    return await _run(state, request, body, fmt, choices, key, timeout, images)
 
 
 @router.post("/completions", response_model=None)
@@ -66,6 +68,9 @@ async def completions(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     model = _admit(state, body)
+    timeout = limits.request_timeout_s(timeout_s, state.settings)
+    key = limits.idempotency_key(idempotency_key)
+    limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     fmt = CompletionFormat(
@@ -74,19 +79,22 @@ async def completions(
         with_logprobs=body.logprobs is not None,
         with_token_ids=body.return_token_ids,
     )
-    return await _run(state, request, body, fmt, choices, idempotency_key, timeout_s)
+    return await _run(state, request, body, fmt, choices, key, timeout)
 
 
 @router.post("/embeddings", response_model=None)
-async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep,
-                     timeout_s: RequestTimeout = None) -> Response:
+async def embeddings(
+    body: EmbeddingRequest, request: Request, state: StateDep, timeout_s: RequestTimeout = None
+) -> Response:
     model = _admit(state, body, ModelKind.EMBED)
+    timeout = limits.request_timeout_s(timeout_s, state.settings)
+    limits.check_jobs(len(embedding_inputs(body)), state.settings, "input")
     prompts = await asyncio.to_thread(input_token_ids, body, model)
     handle = await state.dispatcher.submit_embeddings(
         f"embd-{uuid.uuid4().hex}",
         model.name,
         prompts,
-        timeout_s=_timeout(state, timeout_s),
+        timeout_s=timeout,
         dimensions=body.dimensions,
     )
     work = collect_embeddings(handle, body, model.name)
@@ -126,13 +134,10 @@ def _admit(
     if state.draining:
         raise GatewayDraining("this gateway is shutting down; retry", retry_after_s=1)
     state.unknown_fields.note(body)
-    return state.catalog.get(body.model).require(kind)
-
-
-def _timeout(state: GatewayState, timeout_s: float | None) -> float:
-    if timeout_s is not None and timeout_s <= 0:
-        raise InvalidRequest("X-Request-Timeout must be a positive number of seconds")
-    return timeout_s or state.settings.request_timeout_s
+    model = state.catalog.get(body.model).require(kind)
+    if isinstance(body, SamplingFields):
+        translate.refuse_unsupported(body, model)
+    return model
 
 
 async def _run(
@@ -142,14 +147,14 @@ async def _run(
     fmt: ResponseFormat,
     choices: list[translate.ChoiceSpec],
     idempotency_key: str | None,
-    timeout_s: float | None,
+    timeout_s: float,
     images: tuple[ImageRef, ...] = (),
 ) -> Response:
     handle = await state.dispatcher.submit(
         fmt.request_id,
         fmt.model,
         choices,
-        timeout_s=_timeout(state, timeout_s),
+        timeout_s=timeout_s,
         idempotency_key=idempotency_key,
         images=images,
     )

@@ -1,5 +1,8 @@
 """The worker heartbeat thread against the real Redis: it beats through event-loop stalls,
-stops when the loop has been stuck too long, and never beats after it was stopped."""
+stops when the loop has been stuck too long, and never beats after it was stopped.
+
+The ``time.sleep`` calls block the event loop on purpose (that is the scenario); every
+wait for the heartbeat itself polls what it did, not a clock."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import uuid
 import pytest
 import redis
 
+from shared.liveness import HeartbeatThread
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
-from workers.heartbeat import HeartbeatThread
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.redis
 
@@ -22,19 +26,28 @@ def client() -> redis.Redis:
     return redis.Redis.from_url(REAL_REDIS_URL)
 
 
+async def beaten(beater: HeartbeatThread, times: int = 1) -> None:
+    async def enough() -> bool:
+        return beater.beats >= times
+
+    await eventually(enough, what=f"{times} heartbeat(s)")
+
+
 async def test_beats_through_a_blocked_event_loop(client: redis.Redis) -> None:
     key = f"test:heartbeat:{uuid.uuid4().hex}"
     beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
     task = asyncio.create_task(beater.run())
-    await asyncio.sleep(0.2)
+    await beaten(beater)
     # The loop is stuck (on purpose) for three TTLs: the thread keeps the key alive.
+    before = beater.beats
     time.sleep(1.2)  # noqa: ASYNC251
     assert client.get(key) == b"alive"
+    assert beater.beats > before
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    assert not beater.beating()  # joined before run() returned: no beat can land later
     client.delete(key)
-    await asyncio.sleep(0.3)
-    assert client.get(key) is None, "a beat landed after the heartbeat was stopped"
+    assert client.get(key) is None
 
 
 async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
@@ -42,7 +55,7 @@ async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
     beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive",
                              loop_stall_limit_s=0.5)
     task = asyncio.create_task(beater.run())
-    await asyncio.sleep(0.2)
+    await beaten(beater)
     assert client.get(key) == b"alive"
     # Stuck (on purpose) past the stall limit plus a TTL: the key has expired.
     time.sleep(1.5)  # noqa: ASYNC251
@@ -55,14 +68,20 @@ async def test_a_redis_stall_is_noticed_but_a_busy_loop_is_not(client: redis.Red
     key = f"test:heartbeat:{uuid.uuid4().hex}"
     beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
     task = asyncio.create_task(beater.run())
-    await asyncio.sleep(0.3)
-    time.sleep(1.0)  # noqa: ASYNC251 (a starved event loop, on purpose)
-    assert not beater.redis_stalled(within_s=2.0)
-    client.client_pause(1200)  # Redis answers no other client for 1.2 s
-    await asyncio.sleep(0.9)
-    assert beater.redis_stalled(within_s=2.0)  # a beat hangs right now
-    await asyncio.sleep(0.6)
-    assert beater.redis_stalled(within_s=2.0)  # and it was slow, a moment ago
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    client.delete(key)
+    try:
+        await beaten(beater)
+        time.sleep(1.0)  # noqa: ASYNC251 (a starved event loop, on purpose)
+        assert not beater.redis_stalled(within_s=2.0)
+        client.client_pause(1200)  # Redis answers no other client for 1.2 s
+
+        async def stalled() -> bool:
+            return beater.redis_stalled(within_s=2.0)
+
+        await eventually(stalled, timeout_s=1.1, what="a beat that hangs on the paused Redis")
+        paused_at = beater.beats
+        await beaten(beater, paused_at + 1)  # the hung beat landed once Redis answered
+        assert beater.redis_stalled(within_s=2.0)  # and it was slow, a moment ago
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        client.delete(key)

@@ -11,18 +11,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import keys
-from shared.job_queue import Admission, JobQueue
+from shared.job_queue import Admission, JobQueue, JobStream
 from shared.protocol import (
     PAYLOAD_FIELD,
+    VERSION,
     VERSION_FIELD,
     CancelCommand,
     GenerateJob,
     SamplingOptions,
     encode,
 )
+from shared.roles import Role
 from tests.conftest import RedisTarget
 
-STREAM = keys.job_stream("m", "aggregated")
+JOBS = JobStream("m", Role.AGGREGATED)
+STREAM = JOBS.name
 
 
 def make_job(request_id: str, index: int = 0, *, model: str = "m") -> GenerateJob:
@@ -57,7 +60,7 @@ async def test_submit_read_ack_round_trip(queue: JobQueue, redis_backend: aiored
     assert result.outcome is Admission.QUEUED
     assert result.detail == "2"
 
-    deliveries = await queue.read([STREAM], "c1", count=10, block_ms=100)
+    deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
     assert [d.job for d in deliveries] == jobs
     assert all(d.stream == STREAM for d in deliveries)
     assert len({d.entry_id for d in deliveries}) == 2
@@ -67,7 +70,7 @@ async def test_submit_read_ack_round_trip(queue: JobQueue, redis_backend: aiored
         await queue.ack(delivery.stream, delivery.entry_id)
     assert await pending_count(redis_backend) == 0
     assert await queue.depth(STREAM) == 0
-    assert await queue.read([STREAM], "c1", count=10, block_ms=10) == []
+    assert await queue.read([JOBS], "c1", count=10, block_ms=10) == []
 
 
 async def test_xlen_counts_queued_plus_in_flight(queue: JobQueue) -> None:
@@ -75,14 +78,14 @@ async def test_xlen_counts_queued_plus_in_flight(queue: JobQueue) -> None:
     await queue.submit(STREAM, [make_job("r9")], max_depth=10)
     assert await queue.depth(STREAM) == 4
 
-    in_flight = await queue.read([STREAM], "c1", count=2, block_ms=100)
+    in_flight = await queue.read([JOBS], "c1", count=2, block_ms=100)
     assert len(in_flight) == 2
     assert await queue.depth(STREAM) == 4  # read does not shrink the stream
 
     for delivery in in_flight:
         await queue.ack(delivery.stream, delivery.entry_id)
     assert await queue.depth(STREAM) == 2
-    rest = await queue.read([STREAM], "c1", count=10, block_ms=100)
+    rest = await queue.read([JOBS], "c1", count=10, block_ms=100)
     for delivery in rest:
         await queue.ack(delivery.stream, delivery.entry_id)
     assert await queue.depth(STREAM) == 0
@@ -104,7 +107,7 @@ async def test_depth_cap_refuses_whole_request(queue: JobQueue) -> None:
     assert last.detail == "4"
     assert (await queue.submit(STREAM, [make_job("d")], max_depth=4)).outcome is Admission.FULL
 
-    deliveries = await queue.read([STREAM], "c1", count=10, block_ms=100)
+    deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
     assert sorted(d.job.request_id for d in deliveries) == ["a", "a", "a", "c"]
 
 
@@ -172,7 +175,7 @@ async def test_two_consumers_never_share_an_entry(redis_target: RedisTarget) -> 
         async def drain(q: JobQueue, consumer: str) -> list[str]:
             seen: list[str] = []
             while True:
-                got = await q.read([STREAM], consumer, count=3, block_ms=20)
+                got = await q.read([JOBS], consumer, count=3, block_ms=20)
                 if not got:
                     return seen
                 seen.extend(d.entry_id for d in got)
@@ -191,13 +194,13 @@ async def test_undecodable_entries_are_dropped(
     queue: JobQueue, redis_backend: aioredis.Redis
 ) -> None:
     good = make_job("good")
-    await redis_backend.xadd(STREAM, {VERSION_FIELD: b"1", PAYLOAD_FIELD: b"\xc1garbage"})
+    await redis_backend.xadd(STREAM, {VERSION_FIELD: VERSION, PAYLOAD_FIELD: b"\xc1garbage"})
     await redis_backend.xadd(STREAM, {VERSION_FIELD: b"99", PAYLOAD_FIELD: b"x"})
     await redis_backend.xadd(STREAM, {b"other": b"field"})
     await redis_backend.xadd(STREAM, encode(CancelCommand("not-a-job")))  # type: ignore[arg-type]
     await queue.submit(STREAM, [good], max_depth=100)
 
-    deliveries = await queue.read([STREAM], "c1", count=10, block_ms=100)
+    deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
     assert [d.job for d in deliveries] == [good]
     # The bad entries were acked and deleted, not left pending forever.
     assert await queue.depth(STREAM) == 1
@@ -209,11 +212,11 @@ async def test_entry_with_invalid_utf8_is_dropped(
 ) -> None:
     """A payload msgspec rejects with UnicodeDecodeError is dropped like any bad entry."""
     await redis_backend.xadd(
-        STREAM, {VERSION_FIELD: b"1", PAYLOAD_FIELD: b"\x91\xaa" + b"\x00" * 9 + b"\x80"}
+        STREAM, {VERSION_FIELD: VERSION, PAYLOAD_FIELD: b"\x91\xaa" + b"\x00" * 9 + b"\x80"}
     )
     good = make_job("good")
     await queue.submit(STREAM, [good], max_depth=100)
-    deliveries = await queue.read([STREAM], "c1", count=10, block_ms=100)
+    deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
     assert [d.job for d in deliveries] == [good]
     assert await queue.depth(STREAM) == 1
     assert await pending_count(redis_backend) == 1
@@ -221,7 +224,8 @@ async def test_entry_with_invalid_utf8_is_dropped(
 
 async def test_ensure_group_is_idempotent(redis_backend: aioredis.Redis) -> None:
     q = JobQueue(redis_backend)
-    stream = keys.job_stream("fresh", "aggregated")
+    fresh = JobStream("fresh", Role.AGGREGATED)
+    stream = fresh.name
     await q.ensure_group(stream)  # creates the stream (MKSTREAM)
     await q.submit(stream, [make_job("r")], max_depth=10)
     await q.ensure_group(stream)
@@ -229,17 +233,20 @@ async def test_ensure_group_is_idempotent(redis_backend: aioredis.Redis) -> None
     groups = await redis_backend.xinfo_groups(stream)
     assert [g["name"] for g in groups] == [keys.JOB_GROUP.encode()]
     # Re-creating did not reset the group: the entry is still delivered once.
-    assert len(await q.read([stream], "c", count=10, block_ms=50)) == 1
-    assert await q.read([stream], "c", count=10, block_ms=10) == []
+    assert len(await q.read([fresh], "c", count=10, block_ms=50)) == 1
+    assert await q.read([fresh], "c", count=10, block_ms=10) == []
 
 
 async def test_read_spans_several_streams(queue: JobQueue) -> None:
-    other = keys.job_stream("m2", "aggregated")
-    await queue.ensure_group(other)
+    other = JobStream("m2", Role.PREFILL)
+    await queue.ensure_group(other.name)
     await queue.submit(STREAM, [make_job("a")], max_depth=10)
-    await queue.submit(other, [make_job("b", model="m2")], max_depth=10)
-    deliveries = await queue.read([STREAM, other], "c", count=10, block_ms=50)
-    assert {(d.stream, d.job.request_id) for d in deliveries} == {(STREAM, "a"), (other, "b")}
+    await queue.submit(other.name, [make_job("b", model="m2")], max_depth=10)
+    deliveries = await queue.read([JOBS, other], "c", count=10, block_ms=50)
+    assert {(d.stream, d.role, d.job.request_id) for d in deliveries} == {
+        (STREAM, Role.AGGREGATED, "a"),
+        (other.name, Role.PREFILL, "b"),
+    }
 
 
 # ----------------------------------------------------------------- bookkeeping
@@ -278,7 +285,7 @@ async def test_queue_bookkeeping(redis_target: RedisTarget, ops: list[tuple[str,
                 else:
                     assert result.outcome is Admission.FULL
             elif op == "read":
-                got = await q.read([STREAM], "c", count=amount, block_ms=1)
+                got = await q.read([JOBS], "c", count=amount, block_ms=1)
                 expected = min(amount, submitted - acked - len(unacked))
                 assert len(got) == expected
                 unacked.extend(d.entry_id for d in got)

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.job_queue import Delivery, JobQueue
+from shared.job_queue import Delivery, JobQueue, JobStream
 from shared.protocol import (
     ErrorEvent,
     Event,
@@ -28,12 +28,15 @@ from shared.protocol import (
     decode,
     decode_events,
 )
+from shared.roles import Role
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
+from tests.journal_faults import FaultyScripts
 from workers.journal import RunJournal, RunLease, pack_tokens, unpack_tokens
 
-STAGE = "aggregated"
-STREAM = keys.job_stream("m", STAGE)
+STAGE = Role.AGGREGATED
+JOBS = JobStream("m", STAGE)
+STREAM = JOBS.name
 
 
 def run_keys(job_id: str) -> tuple[str, str]:
@@ -65,7 +68,7 @@ async def deliver(
     queue = JobQueue(redis)
     await queue.ensure_group(STREAM)
     await queue.submit(STREAM, list(jobs), max_depth=100)
-    deliveries = await queue.read([STREAM], consumer, count=len(jobs), block_ms=100)
+    deliveries = await queue.read([JOBS], consumer, count=len(jobs), block_ms=100)
     assert [d.job for d in deliveries] == list(jobs)
     return deliveries
 
@@ -119,12 +122,16 @@ async def pending(redis: aioredis.Redis) -> list[dict[str, Any]]:
 
 
 class Journal:
-    """A running RunJournal plus what it reported as fenced."""
+    """A running RunJournal plus what it reported as fenced, on scripts that fail on demand."""
 
     def __init__(self, redis: aioredis.Redis, consumer: str, **options: Any) -> None:
         self.consumer = consumer
         self.fenced: list[str] = []
-        self.journal = RunJournal(redis, consumer=consumer, on_fenced=self.fenced.append, **options)
+        self.scripts = FaultyScripts(redis)
+        self.journal = RunJournal(
+            redis, consumer=consumer, on_fenced=self.fenced.append, scripts=self.scripts,
+            **options,
+        )
         self.task: asyncio.Task[None] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -212,20 +219,12 @@ async def test_one_script_call_per_loop_pass_for_many_jobs(
         redis_backend, make_job("a"), make_job("b", reply_to=other_reply), make_job("c")
     )
     leases = [await wa.begin(d) for d in (d1, d2, d3)]
-    calls: list[int] = []
-    original = wa.journal._write
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return await original(*args, **kwargs)
-
-    wa.journal._write = counting  # type: ignore[assignment]
     a = emit(wa.journal, leases[0], *([i] for i in range(30)))
     b = emit(wa.journal, leases[1], [7])
     c = emit(wa.journal, leases[2], [8], [9])
     wa.journal.finish(leases[2], fin(leases[2]))
     await wa.flush()
-    assert calls == [1]
+    assert wa.scripts.write_calls == 1
     got = await replies(redis_backend)
     assert [e for e in got if e.request_id == "a"] == a
     assert [e for e in got if e.request_id == "c"][:2] == c
@@ -291,7 +290,7 @@ async def test_takeover_continues_the_journal_and_fences_the_first_lease(
         await wa.flush()
 
         # Worker B reclaims the job (same entry) and begins a new run of it.
-        [reclaimed] = await JobQueue(redis_backend).reclaim(STREAM, "wb", min_idle_ms=0, count=10)
+        [reclaimed] = await JobQueue(redis_backend).reclaim(JOBS, "wb", min_idle_ms=0, count=10)
         assert reclaimed == delivery
         owner = await wb.begin(reclaimed)
         assert (owner.attempt, owner.next_seq, owner.emitted) == (1, 2, [1, 2, 3])
@@ -347,7 +346,7 @@ async def test_hand_back_requeues_the_job_and_keeps_its_journal(
         await wa.flush()
         assert wa.fenced == ["r1/0"]
 
-        [again] = await JobQueue(redis_backend).read([STREAM], "wb", count=1, block_ms=100)
+        [again] = await JobQueue(redis_backend).read([JOBS], "wb", count=1, block_ms=100)
         assert again.entry_id == new_id and again.job == delivery.job
         resumed = await wb.begin(again)
         # The next run continues the journal with the SAME attempt number.
@@ -375,7 +374,7 @@ async def test_hand_backs_keep_the_attempt_and_crashes_raise_it(
             await wa.flush()
             if step == "hand back":
                 assert await wa.hand_back(lease) is True
-                [delivery] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+                [delivery] = await queue.read([JOBS], "wa", count=1, block_ms=100)
             # else: the run dies without a word; the next begin takes the job over.
         last = await wa.begin(delivery)
         assert wa.fenced == []
@@ -394,7 +393,7 @@ async def test_a_failed_hand_back_counts_as_a_failed_run(redis_backend: aioredis
         await wa.flush()
         assert await wa.hand_back(lease, failed=True) is True
         assert await pending(redis_backend) == []
-        [again] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+        [again] = await queue.read([JOBS], "wa", count=1, block_ms=100)
         assert again.job == delivery.job and again.entry_id != delivery.entry_id
         resumed = await wa.begin(again)
         assert (resumed.attempt, resumed.next_seq, resumed.emitted) == (1, 1, [7])
@@ -413,7 +412,7 @@ async def test_repeated_hand_backs_never_drive_the_start_count_down(
             assert lease.attempt == 0
             assert await wa.hand_back(lease) is True
             assert await wa.hand_back(lease) is False  # a second hand-back is fenced: no -1
-            [delivery] = await queue.read([STREAM], "wa", count=1, block_ms=100)
+            [delivery] = await queue.read([JOBS], "wa", count=1, block_ms=100)
     assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"0"
     assert await entry_ids(redis_backend) == [delivery.entry_id]
 
@@ -465,16 +464,16 @@ async def test_reclaim_takes_idle_entries_but_not_refreshed_ones(
     alive, dead = await deliver(redis_backend, make_job("alive"), make_job("dead"))
     async with journals(redis_backend, "wa") as (wa,):
         lease = await wa.begin(alive)
-        assert await queue.reclaim(STREAM, "wb", min_idle_ms=300, count=10) == []
+        assert await queue.reclaim(JOBS, "wb", min_idle_ms=300, count=10) == []
         await asyncio.sleep(0.4)
         assert await wa.refresh([lease]) == []
-        reclaimed = await queue.reclaim(STREAM, "wb", min_idle_ms=300, count=10)
+        reclaimed = await queue.reclaim(JOBS, "wb", min_idle_ms=300, count=10)
     assert [d.job for d in reclaimed] == [dead.job]
     assert reclaimed[0].entry_id == dead.entry_id
     owners = {p["message_id"].decode(): p["consumer"] for p in await pending(redis_backend)}
     assert owners == {alive.entry_id: b"wa", dead.entry_id: b"wb"}
     # Reclaiming again right away finds nothing: the entry's idle time restarted.
-    assert await queue.reclaim(STREAM, "wc", min_idle_ms=300, count=10) == []
+    assert await queue.reclaim(JOBS, "wc", min_idle_ms=300, count=10) == []
 
 
 async def test_reclaim_respects_count_and_skips_deleted_entries(
@@ -484,8 +483,8 @@ async def test_reclaim_respects_count_and_skips_deleted_entries(
     deliveries = await deliver(redis_backend, *(make_job(f"r{i}") for i in range(4)))
     await redis_backend.xdel(STREAM, deliveries[0].entry_id)  # pending, but its entry is gone
     await asyncio.sleep(0.05)
-    first = await queue.reclaim(STREAM, "wb", min_idle_ms=10, count=2)
-    rest = await queue.reclaim(STREAM, "wb", min_idle_ms=10, count=10)
+    first = await queue.reclaim(JOBS, "wb", min_idle_ms=10, count=2)
+    rest = await queue.reclaim(JOBS, "wb", min_idle_ms=10, count=10)
     # (Under load ``rest`` may take ``first``'s entries again: they idled 10 ms more.)
     assert {d.job.request_id for d in first + rest} == {"r1", "r2", "r3"}
     assert len(first) <= 2
@@ -521,38 +520,23 @@ def test_pack_refuses_ids_outside_int32() -> None:
 # ----------------------------------------------------------------------- failures
 
 
-def lose_one_reply(journal: RunJournal) -> list[Exception]:
+def lose_one_reply(journal: Journal) -> list[Exception]:
     """The next write script runs, then its reply is lost (reset, socket timeout).
 
     Returns the pending failure: empty once it was raised (and the write retried).
     """
-    original = journal._write
-    lost: list[Exception] = [RedisConnectionError("connection reset after the script ran")]
-
-    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
-        result = await original(*args, **kwargs)
-        if lost:
-            raise lost.pop()
-        return result
-
-    journal._write = reply_lost  # type: ignore[assignment]
+    lost = journal.scripts.lose_write_replies
+    lost.append(RedisConnectionError("connection reset after the script ran"))
     return lost
 
 
 async def test_a_failed_write_is_retried(wa: Journal, redis_backend: aioredis.Redis) -> None:
     [delivery] = await deliver(redis_backend, make_job("r1"))
     lease = await wa.begin(delivery)
-    original = wa.journal._write
-    failures = [RedisConnectionError("connection reset")]
-
-    async def flaky(*args: Any, **kwargs: Any) -> Any:
-        if failures:
-            raise failures.pop()
-        return await original(*args, **kwargs)
-
-    wa.journal._write = flaky  # type: ignore[assignment]
+    wa.scripts.fail_writes.append(RedisConnectionError("connection reset"))
     events = emit(wa.journal, lease, [1], [2])
     await asyncio.wait_for(wa.flush(), 5.0)
+    assert wa.scripts.fail_writes == []
     assert await replies(redis_backend) == events
     assert await emitted(redis_backend, "r1/0") == [1, 2]
 
@@ -563,7 +547,7 @@ async def test_a_write_whose_reply_was_lost_is_not_applied_twice(
     """The retry of a write that ran (its reply lost to a reset or a socket timeout)."""
     [delivery] = await deliver(redis_backend, make_job("r1"))
     lease = await wa.begin(delivery)
-    lost_replies = lose_one_reply(wa.journal)
+    lost_replies = lose_one_reply(wa)
     events = emit(wa.journal, lease, [1], [2])
     await asyncio.wait_for(wa.flush(), 5.0)
     assert lost_replies == []  # the reply was lost once, and the write retried
@@ -587,7 +571,7 @@ async def test_a_finish_whose_reply_was_lost_is_not_applied_twice(
 ) -> None:
     first, second = await deliver(redis_backend, make_job("r1"), make_job("r2"))
     lease = await wa.begin(first)
-    lost_replies = lose_one_reply(wa.journal)
+    lost_replies = lose_one_reply(wa)
     events = emit(wa.journal, lease, [1])
     final = fin(lease)
     wa.journal.finish(lease, final)
@@ -604,7 +588,7 @@ async def test_a_finish_whose_reply_was_lost_is_not_reported_as_fenced(
 ) -> None:
     [delivery] = await deliver(redis_backend, make_job("r1"))
     lease = await wa.begin(delivery)
-    lost_replies = lose_one_reply(wa.journal)
+    lost_replies = lose_one_reply(wa)
     wa.journal.finish(lease, fin(lease))
     await asyncio.wait_for(wa.flush(), 5.0)
     assert lost_replies == []
@@ -643,13 +627,10 @@ async def test_flush_raises_after_the_journal_gave_up(
     redis_backend: aioredis.Redis,
 ) -> None:
     [delivery] = await deliver(redis_backend, make_job("r1"))
-    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1)
+    scripts = FaultyScripts(redis_backend)
+    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1, scripts=scripts)
     lease = await journal.begin(delivery)
-
-    async def down(*args: Any, **kwargs: Any) -> Any:
-        raise RedisConnectionError("Connection refused")
-
-    journal._write = down  # type: ignore[assignment]
+    scripts.writes_down = True
     task = asyncio.create_task(journal.run())
     emit(journal, lease, [1])
     with pytest.raises(RedisConnectionError):
@@ -673,13 +654,10 @@ async def test_a_flush_waiting_when_the_journal_gives_up_raises(
 ) -> None:
     """Not only a flush() started afterwards: its writes never reached Redis either."""
     [delivery] = await deliver(redis_backend, make_job("r1"))
-    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1)
+    scripts = FaultyScripts(redis_backend)
+    journal = RunJournal(redis_backend, consumer="wa", retry_for_s=0.1, scripts=scripts)
     lease = await journal.begin(delivery)
-
-    async def down(*args: Any, **kwargs: Any) -> Any:
-        raise RedisConnectionError("Connection refused")
-
-    journal._write = down  # type: ignore[assignment]
+    scripts.writes_down = True
     task = asyncio.create_task(journal.run())
     try:
         emit(journal, lease, [1])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conveyor.demo_model import write_demo_model
+from shared.demo_model import write_demo_model
 from tests.e2e.stack import Process, Stack, wait_until
 
 E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")

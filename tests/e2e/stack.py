@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from workers.runtime import SAFETY_NET_LOG
+from workers.janitor import SAFETY_NET_LOG
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from shared import keys
+from shared.roles import Role
 from tests.e2e.conftest import Running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
@@ -26,7 +27,7 @@ def _workers(running: Running) -> list[dict[str, int]]:
 
 def _queue_state(running: Running) -> tuple[int, int]:
     client = redis.Redis.from_url(running.stack.redis_url)
-    stream = keys.job_stream(running.model, "aggregated")
+    stream = keys.job_stream(running.model, Role.AGGREGATED)
     try:
         pending = client.xpending(stream, keys.JOB_GROUP)["pending"]
         return int(client.xlen(stream)), int(pending)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -268,6 +269,42 @@ def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Runnin
     assert pd.decode.log_path.read_text().count("finished (length)") == decode_finishes
 
 
+def _tree_cpu_s(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _idle_cores(roots: list[Process], seconds: float) -> float:
+    """CPU of the workers' whole process trees (engine core and model worker included)."""
+    trees = []
+    for root in roots:
+        process = psutil.Process(root.popen.pid)
+        trees += [process, *process.children(recursive=True)]
+    before, started = _tree_cpu_s(trees), time.monotonic()
+    time.sleep(seconds)
+    return (_tree_cpu_s(trees) - before) / (time.monotonic() - started)
+
+
+def test_idle_engines_do_not_spin(pd: Disaggregated, running: Running) -> None:
+    """Idle prefill and decode workers leave the CPU alone. NIXL's UCX progress thread
+    used to busy-poll a core per engine forever (poll timeout 0), idle or not."""
+    _complete(pd.base_url, PD_MODEL, [1, *range(3400, 3701)])  # a transfer: agents connected
+    _eventually(lambda: _pd_idle(running), "both stages to be idle", timeout_s=60)
+    # vLLM's model worker spins for 1 s after each engine step, and an idle worker's
+    # canary makes a step every 10 s: one quiet 3-s window of several is enough.
+    samples = []
+    for _ in range(5):
+        time.sleep(1.5)
+        samples.append(_idle_cores([pd.prefill, pd.decode], 3.0))
+        if samples[-1] < 0.2:
+            return
+    raise AssertionError(f"idle P/D workers kept the CPU busy: {samples} cores")
+
+
 # ------------------------------------------------------------------- failures
 # These run last (they kill workers) and in this order: decode dies mid-stream,
 # prefill dies before the handoff, prefill dies after it. Each request's greedy
@@ -303,7 +340,7 @@ def _stream_tokens(base_url: str, prompt: list[int], max_tokens: int,
 def _kill(process: Process) -> None:
     """SIGKILL a worker as `conveyor up` would see it die: its engine goes with it, and
     it leaves the registry at once."""
-    from shared.registry import forget_dead_process
+    from shared.liveness import forget_dead_process
 
     process.popen.send_signal(signal.SIGKILL)
     process.popen.wait(30)

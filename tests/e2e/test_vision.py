@@ -26,8 +26,9 @@ import openai
 import pytest
 import redis
 
-from conveyor.demo_model import write_demo_model
 from shared import keys
+from shared.demo_model import write_demo_model
+from shared.roles import Role
 from tests.e2e.stack import Process, Stack, wait_until
 
 pytestmark = [
@@ -217,7 +218,7 @@ def test_bad_images_are_400s_and_nothing_is_queued(vision: Vision, url: str, rea
     if url.startswith("/"):
         url = vision.pictures + url
     client = redis.Redis.from_url(vision.stack.redis_url)
-    streams = [keys.job_stream(vision.name, role) for role in ("aggregated", "encode")]
+    streams = [keys.job_stream(vision.name, role) for role in (Role.AGGREGATED, Role.ENCODE)]
     try:
         before = [client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0
                   for s in streams]

@@ -11,8 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.worker_directory import WorkerDirectory
 from shared.job_queue import Admission, AdmissionResult
+from shared.liveness import WorkerRegistry
 from shared.protocol import GenerateJob, SamplingOptions
-from shared.registry import WorkerRegistry
 from shared.reply_stream import ReplyRouter
 
 
@@ -22,7 +22,10 @@ def dispatcher(retry_s: float) -> Dispatcher:
         redis,
         ReplyRouter(redis, "conveyor:reply:gw-test"),
         WorkerDirectory(WorkerRegistry(redis, ttl_s=3.0)),
-        AdmissionPolicy(queue_max_depth=10, idempotency_ttl_s=60, admission_retry_s=retry_s),
+        AdmissionPolicy(
+            queue_max_depth=10, idempotency_ttl_s=60, min_prefill_tokens=128,
+            admission_retry_s=retry_s,
+        ),
     )
 
 

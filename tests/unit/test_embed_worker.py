@@ -7,8 +7,10 @@ import time
 
 from shared.errors import EngineError
 from shared.protocol import EmbeddingEvent, EmbedJob, ErrorEvent
+from shared.roles import Role
 from tests.conftest import RedisTarget
-from tests.unit.test_worker_runtime import MODEL, REPLY, FakeEngine, worker
+from tests.unit.worker_harness import MODEL, REPLY, FakeEngine, worker
+from workers.roles import embed
 
 
 def embed_job(request_id: str, index: int = 0, *, dimensions: int | None = None) -> EmbedJob:
@@ -24,7 +26,7 @@ def floats(event: EmbeddingEvent) -> list[float]:
 
 
 async def test_each_input_gets_its_embedding_and_is_acked(redis_target: RedisTarget) -> None:
-    async with worker(redis_target, role="embed") as w:
+    async with worker(redis_target, role=Role.EMBED, parts=embed.parts) as w:
         await w.submit(embed_job("e1", 0), embed_job("e1", 1, dimensions=2))
         events = await w.final_events("e1", sequences=2)
         await w.drained()
@@ -40,7 +42,7 @@ async def test_an_engine_error_ends_the_input_with_an_error_event(
 ) -> None:
     engine = FakeEngine()
     engine.fail = (0, EngineError("pooling failed"))
-    async with worker(redis_target, engine, role="embed") as w:
+    async with worker(redis_target, engine, role=Role.EMBED, parts=embed.parts) as w:
         await w.submit(embed_job("bad"))
         [event] = await w.final_events("bad")
         await w.drained()

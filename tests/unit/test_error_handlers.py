@@ -10,11 +10,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gateway.dispatch import RemoteError
 from gateway.error_handlers import install_error_handlers
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared import errors
-from shared.errors import ConveyorError, RetryableError
+from shared.errors import ConveyorError, RemoteError, RetryableError
 from shared.protocol import ErrorEvent
 
 ERROR_CLASSES = sorted(
@@ -29,6 +28,10 @@ CONCRETE = [cls for cls in ERROR_CLASSES if cls not in (ConveyorError, Retryable
 
 
 def make_error(cls: type[ConveyorError]) -> ConveyorError:
+    if cls is RemoteError:  # what a worker reported, as it reported it
+        return RemoteError(
+            ErrorEvent("r", 0, 0, 0, cls.status, cls.type, cls.code, "it went wrong", "p")
+        )
     if issubclass(cls, RetryableError):
         return cls("try later", retry_after_s=7, param="p")
     return cls("it went wrong", param="p")

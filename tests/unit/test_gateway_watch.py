@@ -5,7 +5,7 @@ from __future__ import annotations
 import fakeredis.aioredis
 
 from shared import keys
-from workers.gateway_watch import GatewayWatch
+from shared.liveness import GatewayWatch
 
 
 class Clock:
@@ -16,9 +16,12 @@ class Clock:
         return self.now
 
 
-def watch(grace_s: float = 10.0) -> tuple[GatewayWatch, Clock]:
+def watch(
+    grace_s: float = 10.0, redis: fakeredis.aioredis.FakeRedis | None = None
+) -> tuple[GatewayWatch, Clock]:
     clock = Clock()
-    return GatewayWatch(fakeredis.aioredis.FakeRedis(), grace_s=grace_s, clock=clock), clock
+    redis = redis or fakeredis.aioredis.FakeRedis()
+    return GatewayWatch(redis, grace_s=grace_s, clock=clock), clock
 
 
 def test_a_gateway_missing_for_less_than_the_grace_is_not_gone() -> None:
@@ -58,8 +61,8 @@ def test_long_dead_gateways_are_forgotten() -> None:
 
 
 async def test_gone_reads_the_liveness_keys() -> None:
-    gateways, clock = watch(grace_s=1.0)
-    redis = gateways._redis
+    redis = fakeredis.aioredis.FakeRedis()
+    gateways, clock = watch(grace_s=1.0, redis=redis)
     await redis.set(keys.gateway_heartbeat("gw-live"), b"1")
     assert await gateways.gone(["gw-live", "gw-dead"]) == set()
     clock.now += 1.0

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.image_fetch import FetchPolicy, ImageFetcher, ImageFetchError, IPAddress
+from gateway.image_fetch import FetchPolicy, ImageFetcher, IPAddress
+from shared.errors import ImageFetchError
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"

@@ -23,7 +23,7 @@ from shared import keys
 from shared.errors import InvalidRequest
 from shared.images import ImageLimits, check_image, content_hash, sniff_format
 from shared.media_store import ImageStore
-from workers.embedding_cache import EmbeddingCache
+from workers.engines.embedding_cache import EmbeddingCache
 
 VISION_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: "

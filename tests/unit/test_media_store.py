@@ -10,10 +10,10 @@ import fakeredis.aioredis
 import pytest
 
 from shared import keys
+from shared.errors import MediaMissing
 from shared.media_store import (
     FileEmbeddingStore,
     ImageStore,
-    MediaMissing,
     RedisEmbeddingStore,
     embedding_store,
 )

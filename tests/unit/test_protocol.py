@@ -11,16 +11,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shared import protocol
+from shared.errors import ProtocolError
 from shared.protocol import (
+    EVENTS_FIELD,
     PAYLOAD_FIELD,
     PROTOCOL_VERSION,
+    VERSION,
     VERSION_FIELD,
     CancelCommand,
     ErrorEvent,
     FinishEvent,
     GenerateJob,
     Message,
-    ProtocolError,
     SamplingOptions,
     TokenEvent,
     TokenLogprob,
@@ -59,6 +61,7 @@ sampling_options = st.builds(
     json_schema=st.none() | text,
     json_object=st.booleans(),
     skip_special_tokens=st.booleans(),
+    logit_bias=st.none() | st.dictionaries(small, st.floats(-100, 100), max_size=4),
 )
 
 generate_jobs = st.builds(
@@ -158,7 +161,7 @@ def test_every_message_type_has_a_strategy() -> None:
 def test_stream_fields_round_trip(message: Message) -> None:
     fields = encode(message)
     assert set(fields) == {VERSION_FIELD, PAYLOAD_FIELD}
-    assert fields[VERSION_FIELD] == str(PROTOCOL_VERSION).encode()
+    assert fields[VERSION_FIELD] == VERSION
     decoded = decode(fields)
     assert decoded == message
     assert type(decoded) is type(message)
@@ -168,19 +171,32 @@ def test_stream_fields_round_trip(message: Message) -> None:
 @given(messages)
 def test_bytes_round_trip(message: Message) -> None:
     data = encode_bytes(message)
-    assert data.startswith(b"%d:" % PROTOCOL_VERSION)
+    assert data.startswith(VERSION + b":")
     decoded = decode_bytes(data)
     assert decoded == message
     assert type(decoded) is type(message)
 
 
+events = st.one_of(
+    token_events, finish_events, error_events, embedding_events
+)
+
+
+def lua_batch(payloads: list[bytes]) -> bytes:
+    """What workers/journal_scripts.py's WRITE script sends: an array32 header + payloads."""
+    return b"\xdd" + len(payloads).to_bytes(4, "big") + b"".join(payloads)
+
+
 @settings(max_examples=50)
-@given(messages)
-def test_payload_helper_matches_stream_encoding(message: Message) -> None:
-    encode_payload = getattr(protocol, "encode_payload", None)
-    if encode_payload is None:
-        pytest.skip("shared.protocol has no encode_payload")
-    assert encode_payload(message) == encode(message)[PAYLOAD_FIELD]
+@given(st.lists(events, max_size=8))
+def test_a_batch_framed_like_the_journal_script_decodes(batch: list[protocol.Event]) -> None:
+    """The journal's Lua frames the step's encoded events itself; the gateway must read
+    them back as the very events, in order."""
+    fields = {
+        VERSION_FIELD: VERSION,
+        EVENTS_FIELD: lua_batch([protocol.encode_payload(event) for event in batch]),
+    }
+    assert decode_events(fields) == batch
 
 
 def test_sampling_defaults_are_omitted_and_restored() -> None:
@@ -194,13 +210,23 @@ def test_sampling_defaults_are_omitted_and_restored() -> None:
         deadline_unix=1.0,
         created_unix=0.0,
     )
+    assert msgspec.msgpack.decode(protocol.encode_payload(job.sampling)) == {"max_tokens": 3}
     decoded = decode(encode(job))
     assert isinstance(decoded, GenerateJob)
     assert decoded.sampling == SamplingOptions(max_tokens=3)
-    assert decoded.sampling.temperature == 1.0
-    assert decoded.sampling.stop == ()
     assert decoded.handoff is None
     assert decoded.job_id == "r/0"
+
+
+def test_sampling_written_before_logit_bias_existed_still_decodes() -> None:
+    """A field added with a default keeps older messages (which lack it) decodable."""
+    old = msgspec.msgpack.encode({"max_tokens": 3, "temperature": 0.0, "stop": ["x"]})
+    sampling = msgspec.msgpack.decode(old, type=SamplingOptions)
+    assert sampling == SamplingOptions(max_tokens=3, temperature=0.0, stop=("x",))
+    assert sampling.logit_bias is None
+    assert b"logit_bias" not in msgspec.msgpack.encode(sampling)
+    biased = SamplingOptions(max_tokens=3, logit_bias={7: -100.0, 2**31 - 1: 2.5})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(biased), type=SamplingOptions) == biased
 
 
 @given(message=messages, version=st.integers(0, 10_000).filter(lambda v: v != PROTOCOL_VERSION))
@@ -219,14 +245,14 @@ def test_wrong_version_is_refused(message: Message, version: int) -> None:
     [
         {},
         {PAYLOAD_FIELD: encode(CancelCommand("r"))[PAYLOAD_FIELD]},  # no version
-        {VERSION_FIELD: b"1"},  # no payload
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: b""},
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: b"\xc1"},  # never-used msgpack byte
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["nope", "r"])},  # bad tag
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["cancel"])},  # too short
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode({"a": 1})},
-        {VERSION_FIELD: b"1", PAYLOAD_FIELD: msgspec.msgpack.encode(["tok", "r", "x"])},
-        {VERSION_FIELD: b" 1", PAYLOAD_FIELD: encode(CancelCommand("r"))[PAYLOAD_FIELD]},
+        {VERSION_FIELD: VERSION},  # no payload
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: b""},
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: b"\xc1"},  # never-used msgpack byte
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: msgspec.msgpack.encode(["nope", "r"])},  # bad tag
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: msgspec.msgpack.encode(["cancel"])},  # too short
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: msgspec.msgpack.encode({"a": 1})},
+        {VERSION_FIELD: VERSION, PAYLOAD_FIELD: msgspec.msgpack.encode(["tok", "r", "x"])},
+        {VERSION_FIELD: b" " + VERSION, PAYLOAD_FIELD: encode(CancelCommand("r"))[PAYLOAD_FIELD]},
     ],
 )
 def test_malformed_fields_are_refused(fields: dict[bytes, bytes]) -> None:
@@ -236,7 +262,8 @@ def test_malformed_fields_are_refused(fields: dict[bytes, bytes]) -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"1", b"1:", b":", b"garbage", b"1:\xc1", b"v1:" + encode_bytes(CancelCommand("r"))],
+    [b"", VERSION, VERSION + b":", b":", b"garbage", VERSION + b":\xc1",
+     b"v" + encode_bytes(CancelCommand("r"))],
 )
 def test_malformed_bytes_are_refused(data: bytes) -> None:
     with pytest.raises(ProtocolError):
@@ -246,7 +273,7 @@ def test_malformed_bytes_are_refused(data: bytes) -> None:
 def test_non_message_struct_is_refused() -> None:
     payload = msgspec.msgpack.encode(TopLogprob(1, "a", -0.5))
     with pytest.raises(ProtocolError):
-        decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: payload})
+        decode({VERSION_FIELD: VERSION, PAYLOAD_FIELD: payload})
 
 
 # msgpack for ["<10-byte string with an invalid UTF-8 byte>"]
@@ -258,9 +285,9 @@ def test_invalid_utf8_is_a_protocol_error(where: str) -> None:
     """msgspec raises UnicodeDecodeError here; it must not escape ``except ProtocolError``."""
     with pytest.raises(ProtocolError):
         if where == "fields":
-            decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: INVALID_UTF8})
+            decode({VERSION_FIELD: VERSION, PAYLOAD_FIELD: INVALID_UTF8})
         else:
-            decode_bytes(b"1:" + INVALID_UTF8)
+            decode_bytes(VERSION + b":" + INVALID_UTF8)
 
 
 @settings(max_examples=100)
@@ -269,8 +296,8 @@ def test_invalid_utf8_is_a_protocol_error(where: str) -> None:
 def test_garbage_payload_is_a_protocol_error_or_a_message(garbage: bytes) -> None:
     """Whatever arrives on a stream, decoding raises ProtocolError and nothing else."""
     attempts: tuple[Callable[[], Message], ...] = (
-        lambda: decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: garbage}),
-        lambda: decode_bytes(b"1:" + garbage),
+        lambda: decode({VERSION_FIELD: VERSION, PAYLOAD_FIELD: garbage}),
+        lambda: decode_bytes(VERSION + b":" + garbage),
         lambda: decode_bytes(garbage),
     )
     for attempt in attempts:
@@ -303,14 +330,10 @@ def test_corrupted_real_payload_is_a_protocol_error_or_a_message(
     mutated[position] = value
     for payload in (bytes(mutated), bytes(mutated[:cut])):
         try:
-            result = decode({VERSION_FIELD: b"1", PAYLOAD_FIELD: payload})
+            result = decode({VERSION_FIELD: VERSION, PAYLOAD_FIELD: payload})
         except ProtocolError:
             continue
         assert isinstance(result, typing.get_args(Message))
-
-
-def test_protocol_error_is_a_value_error() -> None:
-    assert issubclass(ProtocolError, ValueError)
 
 
 def test_a_batch_of_events_round_trips_in_order() -> None:

@@ -329,6 +329,7 @@ EVERY_FIELD = SamplingOptions(
     json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}',
     json_object=True,
     skip_special_tokens=False,
+    logit_bias={128009: -100.0, 791: 2.5},
 )
 
 
@@ -349,6 +350,7 @@ def test_sampling_params_every_field() -> None:
         "stop_token_ids": [128001, 128009],
         "json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}',
         "sampling_seed": 1234,
+        "logit_bias": {"128009": -100.0, "791": 2.5},  # SGLang keys token ids as strings
     }
 
 
@@ -393,6 +395,7 @@ FIELD_DESTINATIONS = {
     "json_schema": "sampling_params.json_schema",
     "json_object": "sampling_params.json_schema",
     "skip_special_tokens": "sampling_params.skip_special_tokens",
+    "logit_bias": "sampling_params.logit_bias",
 }
 
 
@@ -420,6 +423,7 @@ def test_every_sampling_option_has_a_destination() -> None:
         min_tokens=st.integers(0, 8),
         json_schema=st.none() | st.just('{"type": "string"}'),
         json_object=st.booleans(),
+        logit_bias=st.none() | st.dictionaries(st.integers(0, 200_000), st.floats(-100, 100)),
     )
 )
 def test_sampling_params_only_uses_sglang_fields(options: SamplingOptions) -> None:

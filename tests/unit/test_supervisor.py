@@ -10,11 +10,12 @@ import redis
 
 from conveyor.supervisor import Child, Supervisor
 from shared import keys
-from shared.registry import forget_dead_process
+from shared.liveness import forget_dead_process
 from tests.conftest import REAL_REDIS_URL
+from tests.waiting import eventually_sync
 
 
-def test_a_child_that_exits_is_reported_and_restarted() -> None:
+def test_a_child_that_exits_is_reported_and_restarted_after_a_backoff() -> None:
     exited: list[int] = []
     supervisor = Supervisor(grace_s=5)
     child = Child("quick", [sys.executable, "-c", "pass"], {}, on_exit=exited.append)
@@ -23,9 +24,15 @@ def test_a_child_that_exits_is_reported_and_restarted() -> None:
     child.process.wait(10)  # type: ignore[union-attr]
     supervisor._check(child)
     assert exited == [first_pid]
-    time.sleep(1.1)  # first backoff: 1 s
-    supervisor._check(child)
-    assert child.process is not None and child.process.pid != first_pid
+    # Not restarted at once: the first backoff is 1 s.
+    assert child.process is not None and child.process.pid == first_pid
+    assert child.next_start_monotonic - time.monotonic() > 0.5
+
+    def restarted() -> bool:
+        supervisor._check(child)
+        return child.process is not None and child.process.pid != first_pid
+
+    eventually_sync(restarted, what="the restart after the backoff")
     supervisor.stop_all()
 
 

@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from gateway import translate
 from gateway.model_catalog import ServedModel
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.tokenizer import ChatTemplateError, ModelTokenizer
-from shared.errors import ContextLengthExceeded, InvalidRequest
+from gateway.tokenizer import ModelTokenizer
+from shared.errors import ChatTemplateError, ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateJob, SamplingOptions, decode, encode
 from tests.unit.conftest import MAX_MODEL_LEN, build_tokenizer_folder
 
@@ -359,9 +359,10 @@ def test_every_accepted_request_can_be_queued(
     """Any schema-valid sampling, with every choice's derived seed, encodes as a job."""
     try:
         request = chat(max_tokens=4, seed=seed, n=n, top_k=top_k, min_tokens=min_tokens)
-    except ValidationError:
+        specs = translate.choices(request, [[1, 2]], served_model, logprobs=None)
+    except (ValidationError, InvalidRequest):
         return  # refused at the door with a 400: fine
-    for spec in translate.choices(request, [[1, 2]], served_model, logprobs=None):
+    for spec in specs:
         job = GenerateJob(
             request_id="r",
             index=spec.index,

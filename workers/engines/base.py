@@ -1,4 +1,11 @@
-"""The interface every inference engine adapter implements.
+"""The interfaces inference engine adapters implement, one per capability.
+
+Every engine is an :class:`EngineBase` (identity, health, load). What else it
+offers is a capability of its own: :class:`GenerateEngine` (stream a sequence's
+tokens), :class:`PrefillEngine` (compute a prompt's KV cache for a remote
+decode), :class:`EmbedEngine` (pooling) and :class:`EncodeEngine` (a vision
+encoder). A worker role asks for the capability it needs (see
+:mod:`workers.roles.table`), so no adapter stubs a method just to raise.
 
 Adapters translate foreign exceptions at this boundary into
 :mod:`shared.errors` (``EngineDead`` when the engine cannot serve any more,
@@ -16,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.protocol import SamplingOptions, TokenLogprob
+from shared.protocol import ImageRef, SamplingOptions, TokenLogprob
 
 Handoff = dict[str, Any]
 """Engine-specific, JSON-safe data a decode engine needs to fetch a prefilled KV cache."""
@@ -30,7 +37,7 @@ class PromptImages:
     raw: tuple[Any, ...] = ()
     """PIL images."""
     embeddings: tuple[Any, ...] = ()
-    """:class:`workers.vision_encoder.ImageEmbedding` values."""
+    """:class:`workers.engines.vision_encoder.ImageEmbedding` values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +56,10 @@ class EngineInfo:
     model: str
     max_model_len: int
     handoff_before_prefill: bool = False
-    can_decode_alone: bool = True
-    """Whether a decode-role engine can also serve a prompt with no handoff."""
     """True when the handoff is known before prefill runs (SGLang's bootstrap room):
     the decode job is then queued first and both stages run at once."""
+    can_decode_alone: bool = True
+    """Whether a decode-role engine can also serve a prompt with no handoff."""
 
 
 @dataclass(slots=True)
@@ -68,9 +75,25 @@ class PromptTokenStats:
     """Time the KV connector spent in those transfers (NIXL's own telemetry)."""
 
 
-class Engine(Protocol):
+class EngineBase(Protocol):
+    """What every engine offers, whatever it computes."""
+
     info: EngineInfo
     prompt_stats: PromptTokenStats
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDead`` when the engine can no longer serve."""
+        ...
+
+    def running(self) -> int:
+        """Sequences the engine holds right now (for leak checks and load)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class GenerateEngine(EngineBase, Protocol):
+    """Streams tokens: the aggregated and decode roles (and every language canary)."""
 
     def generate(
         self,
@@ -89,8 +112,14 @@ class Engine(Protocol):
         """
         ...
 
+    async def abort(self, job_id: str) -> None: ...
+
+
+class PrefillEngine(GenerateEngine, Protocol):
+    """Computes a prompt's KV cache for a decode engine elsewhere: the prefill role."""
+
     def plan_handoff(self, job_id: str) -> Handoff | None:
-        """Prefill role: the handoff, if the engine decides it before prefilling."""
+        """The handoff, if the engine decides it before prefilling (else None)."""
         ...
 
     async def prefill(
@@ -102,23 +131,34 @@ class Engine(Protocol):
         handoff: Handoff | None = None,
         images: PromptImages | None = None,
     ) -> Handoff:
-        """Prefill role: compute the prompt's KV cache and return the handoff for decode."""
+        """Compute the prompt's KV cache and return the handoff for decode."""
         ...
+
+
+class EmbedEngine(EngineBase, Protocol):
+    """A pooling model: the embed role."""
 
     async def embed(
         self, job_id: str, prompt_token_ids: list[int], *, dimensions: int | None = None
     ) -> list[float]:
-        """Embed role: the pooled (and, per the model's pooler, normalized) embedding."""
+        """The pooled (and, per the model's pooler, normalized) embedding."""
         ...
 
-    async def abort(self, job_id: str) -> None: ...
 
-    async def check_health(self) -> None:
-        """Raise ``EngineDead`` when the engine can no longer serve."""
+class ImageEncoder(Protocol):
+    """Content hash -> embedding in the embedding transport (see vision_engine.py)."""
+
+    async def publish(self, model: str, ref: ImageRef, ttl_s: int) -> None: ...
+
+    async def probe(self) -> None:
+        """Encode a tiny image, bypassing every cache (the canary)."""
         ...
 
-    def running(self) -> int:
-        """Sequences the engine holds right now (for leak checks and load)."""
-        ...
+    def cache_stats(self) -> dict[str, int]: ...
 
-    def shutdown(self) -> None: ...
+
+class EncodeEngine(EngineBase, Protocol):
+    """A vision encoder: the encode role."""
+
+    @property
+    def encoding(self) -> ImageEncoder: ...

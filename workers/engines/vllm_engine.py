@@ -1,17 +1,19 @@
 """vLLM adapter: the only module that imports vllm.
 
 Wraps ``AsyncLLM`` (continuous batching across every concurrent ``generate``)
-and translates vLLM's exceptions into :mod:`shared.errors`.
+and translates vLLM's exceptions into :mod:`shared.errors`, in one place
+(:func:`vllm_errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from workers.engines.base import (
     PromptTokenStats,
     StepOutput,
 )
-from workers.vision_encoder import to_vllm_input, vision_family
+from workers.engines.vision_encoder import to_vllm_input, vision_family
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +84,10 @@ class VllmEngine:
         handoff: Handoff | None = None,
         images: PromptImages | None = None,
     ) -> AsyncIterator[StepOutput]:
-        from vllm.exceptions import VLLMValidationError
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
         params = _sampling_params(sampling)
         if handoff is not None:
             params.extra_args = {"kv_transfer_params": handoff}
-        try:
+        with vllm_errors("generation"):
             stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
             async for output in stream:
                 completion = output.outputs[0]
@@ -101,12 +100,6 @@ class VllmEngine:
                     finish_reason=completion.finish_reason,
                     prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
                 )
-        except EngineDeadError as exc:
-            raise EngineDead(f"the vLLM engine died: {exc}") from exc
-        except (VLLMValidationError, ValueError) as exc:
-            raise InvalidRequest(str(exc)) from exc
-        except EngineGenerateError as exc:
-            raise EngineError(f"generation failed: {exc}") from exc
 
     def _prompt(self, prompt_token_ids: list[int], images: PromptImages | None) -> Any:
         """Token ids holding each image's single, unexpanded placeholder, plus the images:
@@ -138,20 +131,14 @@ class VllmEngine:
         images: PromptImages | None = None,
     ) -> Handoff:
         """Run the prompt with max_tokens=1 and keep its KV for a remote decode."""
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
         params = _sampling_params(msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0))
         params.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
         result: Handoff | None = None
-        try:
+        with vllm_errors("prefill"):
             stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
             async for output in stream:
                 if output.kv_transfer_params is not None:
                     result = dict(output.kv_transfer_params)
-        except EngineDeadError as exc:
-            raise EngineDead(f"the vLLM engine died: {exc}") from exc
-        except EngineGenerateError as exc:
-            raise EngineError(f"prefill failed: {exc}") from exc
         if result is None:
             raise EngineError("prefill returned no kv_transfer_params (is a KV connector set?)")
         return result
@@ -161,24 +148,16 @@ class VllmEngine:
     ) -> list[float]:
         """The pooling runner's embedding (the model's own pooler: MiniLM means, normalizes)."""
         from vllm import PoolingParams
-        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-        params = PoolingParams(task="embed", dimensions=dimensions)
         vector: list[float] | None = None
-        try:
+        with vllm_errors("embedding", param="dimensions"):
+            params = PoolingParams(task="embed", dimensions=dimensions)
             stream = self._llm.encode(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
                                       job_id)
             async for output in stream:
                 if output.finished:
                     vector = [float(x) for x in output.outputs.data.tolist()]
-        except EngineDeadError as exc:
-            raise EngineDead(f"the vLLM engine died: {exc}") from exc
-        except (VLLMValidationError, ValueError) as exc:
-            raise InvalidRequest(str(exc), param="dimensions") from exc
-        except EngineGenerateError as exc:
-            raise EngineError(f"embedding failed: {exc}") from exc
         if vector is None:
             raise EngineError("the engine returned no embedding")
         return vector
@@ -187,12 +166,8 @@ class VllmEngine:
         await self._llm.abort(job_id)
 
     async def check_health(self) -> None:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        try:
+        with vllm_errors("health check"):
             await self._llm.check_health()
-        except EngineDeadError as exc:
-            raise EngineDead("the vLLM engine died") from exc
 
     def running(self) -> int:
         return int(self._llm.get_num_unfinished_requests())
@@ -248,12 +223,25 @@ def _kv_transfer_config(settings: Settings) -> Any:
     producer = settings.role is Role.PREFILL
     return KVTransferConfig(
         kv_connector=settings.kv_connector,
+        kv_connector_module_path=_nixl_module_path(settings),
         kv_role="kv_producer" if producer else "kv_consumer",
         kv_buffer_device="cpu",
         kv_connector_extra_config={"backends": ["UCX"]},
         # decode recomputes the prompt when the prefill that holds its KV is gone
         kv_load_failure_policy="fail" if producer else "recompute",
     )
+
+
+def _nixl_module_path(settings: Settings) -> str | None:
+    """On CPU, vLLM's own NIXL connectors come from :mod:`workers.engines.nixl_connector`:
+    the same classes, but NIXL's UCX progress thread (which busy-polls a whole core per
+    engine, idle or not) is off and the engine step drives UCX progress instead."""
+    from vllm.platforms import current_platform
+
+    names = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+    if current_platform.is_cpu() and settings.kv_connector in names:
+        return "workers.engines.nixl_connector"
+    return None
 
 
 def _set_nixl_environment(settings: Settings) -> None:
@@ -345,7 +333,41 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+@contextlib.contextmanager
+def vllm_errors(
+    what: str, *, param: str | None = None, invalid_prefix: str = ""
+) -> Iterator[None]:
+    """The one mapping from vLLM's exceptions to Conveyor's.
+
+    vLLM splits its own errors by cause: ``EngineDeadError`` (the engine core is gone:
+    ``EngineDead``, the worker hands its jobs back and exits), ``VLLMClientError`` (the
+    request is at fault, e.g. ``VLLMValidationError``: ``InvalidRequest``, a 400 naming
+    ``param``) and the rest, ``VLLMServerError`` (e.g. ``EngineGenerateError``) and the
+    admission refusals (``GracefulHTTPError``): ``EngineError``, a 500 for this request
+    only. Anything that is not vLLM's, a bare ``ValueError`` included, is a bug rather
+    than the client's fault: it propagates, and the runtime answers 500.
+    ``what`` names the operation in a 500's message; ``invalid_prefix`` starts a 400's.
+    """
+    from vllm.exceptions import VLLMClientError, VLLMError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise EngineDead(f"the vLLM engine died: {exc}") from exc
+    except VLLMClientError as exc:
+        raise InvalidRequest(f"{invalid_prefix}{exc}", param=param) from exc
+    except VLLMError as exc:
+        raise EngineError(f"{what} failed: {exc}") from exc
+
+
 def _sampling_params(options: SamplingOptions) -> Any:
+    """vLLM's SamplingParams; values it refuses are the request's fault (a 400), not a crash."""
+    with vllm_errors("sampling", invalid_prefix="invalid sampling parameters: "):
+        return _build_sampling_params(options)
+
+
+def _build_sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -371,6 +393,7 @@ def _sampling_params(options: SamplingOptions) -> Any:
         min_tokens=options.min_tokens,
         logprobs=options.logprobs,
         skip_special_tokens=options.skip_special_tokens,
+        logit_bias=options.logit_bias,
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
     )

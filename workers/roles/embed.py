@@ -11,10 +11,16 @@ import logging
 import struct
 import time
 
+import redis.asyncio as aioredis
+
 from shared.errors import ConveyorError, EngineDead
 from shared.protocol import EmbeddingEvent, EmbedJob
-from workers.engines.base import Engine
+from shared.settings import Settings
+from workers.canary import CANARY_PROMPT
+from workers.engines.base import EmbedEngine
+from workers.engines.language import load_embedding_engine
 from workers.journal import RunJournal, RunLease
+from workers.roles.base import LoadedRole, Probe, RoleParts
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +30,7 @@ def pack_vector(vector: list[float]) -> bytes:
 
 
 class EmbedRun:
-    def __init__(self, lease: RunLease, engine: Engine, journal: RunJournal) -> None:
+    def __init__(self, lease: RunLease, engine: EmbedEngine, journal: RunJournal) -> None:
         job = lease.delivery.job
         if not isinstance(job, EmbedJob):
             raise TypeError(f"{job.job_id} is not an embedding job")
@@ -58,5 +64,31 @@ class EmbedRun:
         log.info("job %s embedded (%d tokens, %d dims) in %.3fs", job.job_id,
                  len(job.prompt_token_ids), len(vector), time.monotonic() - started)
 
-    def fail(self, exc: ConveyorError) -> None:
-        self._journal.fail(self.lease, exc)
+    def fail(self, error: ConveyorError) -> None:
+        self._journal.fail(self.lease, error)
+
+
+def probe(engine: EmbedEngine) -> Probe:
+    """The canary: embed one token (a pooling engine cannot generate)."""
+
+    async def ask(request_id: str) -> None:
+        await engine.embed(request_id, CANARY_PROMPT)
+
+    return ask
+
+
+def parts(engine: EmbedEngine) -> RoleParts:
+    return RoleParts(
+        engine=engine,
+        new_run=lambda lease, journal: EmbedRun(lease, engine, journal),
+        probe=probe(engine),
+    )
+
+
+def load(settings: Settings, model_path: str, served_name: str) -> LoadedRole:
+    engine = load_embedding_engine(settings, model_path, served_name)
+
+    def connect(redis: aioredis.Redis) -> RoleParts:
+        return parts(engine)
+
+    return LoadedRole(engine, connect)

@@ -1,4 +1,4 @@
-"""Run one job on the engine and journal its events: the per-job half of a worker.
+"""The aggregated and decode roles: run one job on the engine and journal its events.
 
 A job that an earlier run already started (the worker died, was fenced out or
 handed it back) continues from the tokens that run emitted: they are appended
@@ -13,24 +13,19 @@ import logging
 import time
 
 import msgspec
+import redis.asyncio as aioredis
 
-from shared.errors import (
-    ConveyorError,
-    DeadlineExceeded,
-    EngineDead,
-    EngineError,
-    InvalidRequest,
-)
+from shared.errors import ConveyorError, DeadlineExceeded, EngineDead, InvalidRequest
 from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
-from workers.engines.base import Engine, PromptImages, StepOutput
+from shared.settings import Settings
+from workers.canary import CANARY_PROMPT, CANARY_SAMPLING
+from workers.engines.base import GenerateEngine, PromptImages, StepOutput
+from workers.engines.language import load_language_engine
 from workers.journal import RunJournal, RunLease
 from workers.prompt_images import PromptImageLoader
+from workers.roles.base import LoadedRole, Probe, RoleParts
 
 log = logging.getLogger(__name__)
-
-
-class NotResumable(EngineError):
-    code = "migration_failed"
 
 
 def generate_job(lease: RunLease) -> GenerateJob:
@@ -66,7 +61,7 @@ class SequenceRun:
     def __init__(
         self,
         lease: RunLease,
-        engine: Engine,
+        engine: GenerateEngine,
         journal: RunJournal,
         images: PromptImageLoader | None = None,
     ) -> None:
@@ -117,9 +112,9 @@ class SequenceRun:
             self.lease.attempt,
         )
 
-    def fail(self, exc: ConveyorError) -> None:
+    def fail(self, error: ConveyorError) -> None:
         """End the job with an error event the client sees, and ack it."""
-        self._journal.fail(self.lease, exc)
+        self._journal.fail(self.lease, error)
 
     async def _generate(self) -> tuple[str, int]:
         job = self.job
@@ -152,3 +147,30 @@ class SequenceRun:
         """Usage counts the prompt the engine ran: with images, their expanded tokens too
         (less the emitted tokens a resumed run appended)."""
         return max(len(self.job.prompt_token_ids), step.prompt_tokens - len(self.lease.emitted))
+
+
+def probe(engine: GenerateEngine) -> Probe:
+    """The canary: one greedy token."""
+
+    async def ask(request_id: str) -> None:
+        async for _ in engine.generate(request_id, CANARY_PROMPT, CANARY_SAMPLING):
+            pass
+
+    return ask
+
+
+def parts(engine: GenerateEngine, images: PromptImageLoader | None) -> RoleParts:
+    return RoleParts(
+        engine=engine,
+        new_run=lambda lease, journal: SequenceRun(lease, engine, journal, images),
+        probe=probe(engine),
+    )
+
+
+def load(settings: Settings, model_path: str, served_name: str) -> LoadedRole:
+    engine = load_language_engine(settings, model_path, served_name)
+
+    def connect(redis: aioredis.Redis) -> RoleParts:
+        return parts(engine, PromptImageLoader.connect(settings, redis))
+
+    return LoadedRole(engine, connect)

@@ -1,6 +1,6 @@
 """The vision-language parts of the demo models: a tiny random LLaVA and a tiny random Qwen2-VL.
 
-:func:`conveyor.demo_model.write_demo_model` (``kind="llava"`` / ``"qwen2-vl"``) trains the
+:func:`shared.demo_model.write_demo_model` (``kind="llava"`` / ``"qwen2-vl"``) trains the
 usual tokenizer, adds the family's image special tokens to it, and calls
 :func:`write_vision_model` to write the rest: ``config.json``, ``generation_config.json``,
 the image processor (``preprocessor_config.json``), the processor and the seeded float32
@@ -16,6 +16,9 @@ which transformers 5 still converts on load. Qwen2-VL uses transformers' own nam
 The chat template renders OpenAI-style content parts in order, one newline between parts;
 each image part (``{"type": "image"}`` / ``"image_url"`` / ``"input_image"``) becomes the
 family's single, unexpanded placeholder (the engine expands it to the image's tokens).
+
+A little over 300 lines, kept whole: one concept (a vision-language demo model folder
+both libraries load), whose two families share the template, config and weight writers.
 """
 
 from __future__ import annotations

@@ -16,13 +16,16 @@
 ``kind="llava"`` and ``kind="qwen2-vl"`` are vision-language models with the same tokenizer
 (plus the family's image special tokens), a tiny vision tower, an image processor and a
 chat template that renders image parts as the family's unexpanded image placeholder; see
-:mod:`conveyor.demo_vision_model`.
+:mod:`shared.demo_vision_model`.
 
 The output is noise (the weights are random); the point is to exercise the whole serving
 stack (tokenization, chat templating, batching, streaming, stop tokens) in seconds on a CPU.
 
 Nothing here imports vLLM; torch / tokenizers / transformers are imported lazily so that
-importing this module is cheap.
+importing this module is cheap. It lives in ``shared`` because the gateway and the workers
+both generate it on first use (``shared/model_source.py``). About 390 lines, kept whole:
+one concept (a complete, atomically installed model folder); the vision families' parts
+are in :mod:`shared.demo_vision_model`.
 """
 
 from __future__ import annotations
@@ -307,7 +310,7 @@ def write_demo_model(target: Path, *, seed: int = 0, kind: str = "llama") -> Pat
 def _write_all(out: Path, *, seed: int, kind: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from conveyor.demo_vision_model import TokenIds, chat_template, vision_spec
+    from shared.demo_vision_model import TokenIds, chat_template, vision_spec
 
     tok = _train_tokenizer()
     spec = vision_spec(kind) if kind != "llama" else None
@@ -341,7 +344,7 @@ def _write_all(out: Path, *, seed: int, kind: str) -> None:
             pad_id=ids[PAD],
         )
     else:
-        from conveyor.demo_vision_model import write_vision_model
+        from shared.demo_vision_model import write_vision_model
 
         token_ids = TokenIds(
             vocab_size=vocab_size, bos=ids[BOS], eos=eos_ids, pad=ids[PAD],

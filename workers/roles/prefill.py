@@ -14,14 +14,20 @@ import logging
 import time
 
 import msgspec
+import redis.asyncio as aioredis
 
 from shared import keys
 from shared.errors import ConveyorError, EngineDead
 from shared.protocol import GenerateJob
-from workers.engines.base import Engine
+from shared.roles import Role
+from shared.settings import Settings
+from workers.engines.base import PrefillEngine
+from workers.engines.language import load_language_engine
 from workers.journal import RunJournal, RunLease
 from workers.prompt_images import PromptImageLoader
-from workers.sequence import generate_job, load_images
+from workers.roles import generate
+from workers.roles.base import LoadedRole, RoleParts
+from workers.roles.generate import generate_job, load_images
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +36,7 @@ class PrefillRun:
     def __init__(
         self,
         lease: RunLease,
-        engine: Engine,
+        engine: PrefillEngine,
         journal: RunJournal,
         images: PromptImageLoader | None = None,
     ) -> None:
@@ -41,7 +47,7 @@ class PrefillRun:
         self._images = images
 
     def decode_stream(self) -> str:
-        return keys.job_stream(self.job.model, "decode")
+        return keys.job_stream(self.job.model, Role.DECODE)
 
     async def run(self) -> None:
         job = self.job
@@ -71,5 +77,22 @@ class PrefillRun:
         log.info("job %s prefilled (%d prompt tokens) in %.3fs, handed to decode",
                  job.job_id, len(job.prompt_token_ids), time.monotonic() - started)
 
-    def fail(self, exc: ConveyorError) -> None:
-        self._journal.fail(self.lease, exc)
+    def fail(self, error: ConveyorError) -> None:
+        self._journal.fail(self.lease, error)
+
+
+def parts(engine: PrefillEngine, images: PromptImageLoader | None) -> RoleParts:
+    return RoleParts(
+        engine=engine,
+        new_run=lambda lease, journal: PrefillRun(lease, engine, journal, images),
+        probe=generate.probe(engine),  # a prefill engine still answers a 1-token request
+    )
+
+
+def load(settings: Settings, model_path: str, served_name: str) -> LoadedRole:
+    engine = load_language_engine(settings, model_path, served_name)
+
+    def connect(redis: aioredis.Redis) -> RoleParts:
+        return parts(engine, PromptImageLoader.connect(settings, redis))
+
+    return LoadedRole(engine, connect)

@@ -8,6 +8,9 @@ what vLLM computes internally for the same image, so an engine started with
 
 Embeddings travel between processes as :meth:`ImageEmbedding.to_bytes` (a JSON header and
 raw little-endian bytes; never pickle). torch, transformers and PIL are imported lazily.
+
+A little over 300 lines, kept whole: the encoder and its output's wire format change
+together (each family's tensors, their bytes, and vLLM's input shape for them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""Wiring a worker: its policy from :class:`Settings`, and its units built from what they need.
+
+:func:`build_worker` is the one place that constructs the units of a worker and
+passes each its collaborators (see :mod:`workers.runtime` for how they run). Tests
+build workers with it too, injecting what they need to control (a Redis client,
+journal scripts that fail, the timing of the loops, a table of recent cancels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.job_queue import JobQueue, JobStream
+from shared.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
+from shared.roles import Role
+from shared.settings import Settings
+from workers.active_jobs import ActiveJobs, Lifecycle
+from workers.canary import Canary
+from workers.cancel_listener import CancelListener
+from workers.consumer import JobConsumer, JobReader
+from workers.health import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
+from workers.intake import Intake, IntakePolicy
+from workers.janitor import (
+    JANITOR_INTERVAL_S,
+    ORPHAN_CHECK_INTERVAL_S,
+    Janitor,
+    JanitorTiming,
+    Reclaimer,
+    stall_check,
+)
+from workers.journal import JOURNAL_RETRY_S, RunJournal
+from workers.journal_scripts import JournalScripts
+from workers.recent_cancels import RecentCancels
+from workers.roles.base import RoleParts
+from workers.runtime import WorkerRuntime
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPolicy:
+    """A worker's limits and timeouts: always built from :class:`Settings`."""
+
+    max_slots: int
+    heartbeat_ttl_s: float
+    claim_idle_ms: int
+    shutdown_grace_s: float
+    max_deliveries: int
+    migration_limit: int
+    canary_idle_s: float
+    read_block_ms: int
+    gateway_grace_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WorkerPolicy:
+        return cls(
+            max_slots=settings.worker_max_slots,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+            shutdown_grace_s=settings.shutdown_grace_s,
+            max_deliveries=settings.max_deliveries,
+            migration_limit=settings.migration_limit,
+            canary_idle_s=settings.canary_idle_s,
+            read_block_ms=settings.job_read_block_ms,
+            gateway_grace_s=settings.gateway_liveness_ttl_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """How often the helper loops run and how long the journal rides out Redis trouble
+    (code constants, not settings; tests shorten them)."""
+
+    janitor_s: float = JANITOR_INTERVAL_S
+    orphan_check_s: float = ORPHAN_CHECK_INTERVAL_S
+    health_check_s: float = HEALTH_CHECK_INTERVAL_S
+    journal_retry_s: float = JOURNAL_RETRY_S
+
+
+def build_worker(
+    *,
+    worker_id: str,
+    role: Role,
+    model: str,
+    parts: RoleParts,
+    redis: aioredis.Redis,
+    policy: WorkerPolicy,
+    heartbeat_redis_url: str | None = None,
+    timing: Timing = Timing(),
+    scripts: JournalScripts | None = None,
+    recent_cancels: RecentCancels | None = None,
+) -> WorkerRuntime:
+    """A worker of ``role`` serving ``model``. ``heartbeat_redis_url`` set: beat from a
+    thread with its own connection to that Redis (else from the event loop)."""
+    streams = [JobStream(model, role)]
+    queue = JobQueue(redis)
+    registry = WorkerRegistry(redis, ttl_s=policy.heartbeat_ttl_s)
+    jobs = ActiveJobs(policy.max_slots)
+    lifecycle = Lifecycle(worker_id, jobs)
+    journal = RunJournal(redis, consumer=worker_id, on_fenced=jobs.fence, scripts=scripts,
+                         retry_for_s=timing.journal_retry_s)
+    recent = recent_cancels or RecentCancels()
+    gateways = GatewayWatch(redis, grace_s=policy.gateway_grace_s)
+    canary = Canary(parts.probe, idle_s=policy.canary_idle_s)
+    consumer = JobConsumer(
+        reader=JobReader(queue, streams, worker_id, policy.read_block_ms),
+        journal=journal,
+        intake=Intake(redis, IntakePolicy(policy.max_deliveries, policy.migration_limit),
+                      gateways),
+        jobs=jobs,
+        lifecycle=lifecycle,
+        new_run=parts.new_run,
+        recent_cancels=recent,
+        on_start=canary.note_activity,
+    )
+    status = WorkerStatus(worker_id=worker_id, role=role, parts=parts, jobs=jobs,
+                          lifecycle=lifecycle, canary=canary)
+    thread = None if heartbeat_redis_url is None else HeartbeatThread(
+        heartbeat_redis_url,
+        keys.worker_heartbeat(worker_id),
+        policy.heartbeat_ttl_s,
+        lambda: registry.encode(status()),
+    )
+    janitor = Janitor(
+        jobs=jobs,
+        lifecycle=lifecycle,
+        journal=journal,
+        reclaimer=Reclaimer(queue=queue, registry=registry, streams=streams,
+                            worker_id=worker_id, claim_idle_ms=policy.claim_idle_ms,
+                            start=consumer.start_all),
+        gateways=gateways,
+        stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),
+        timing=JanitorTiming(timing.janitor_s, timing.orphan_check_s, policy.heartbeat_ttl_s),
+    )
+    helpers = {
+        "heartbeat": Heartbeat(registry, status, thread).run,
+        "control": CancelListener(redis, recent=recent, cancel_request=jobs.cancel_request).run,
+        "engine-monitor": EngineMonitor(parts.engine, interval_s=timing.health_check_s,
+                                        on_dead=lifecycle.engine_died).run,
+        "janitor": janitor.run,
+        "canary": lambda: canary.run(lifecycle.busy),
+    }
+    return WorkerRuntime(
+        worker_id=worker_id,
+        consumer=consumer,
+        journal=journal,
+        jobs=jobs,
+        lifecycle=lifecycle,
+        registry=registry,
+        helpers=helpers,
+        shutdown_grace_s=policy.shutdown_grace_s,
+    )

@@ -1,0 +1,29 @@
+"""Which adapter runs a language model: vLLM, or SGLang on GPU boxes (``--engine``).
+
+The adapter modules import their engine lazily, so choosing one loads only it.
+"""
+
+from __future__ import annotations
+
+from shared.settings import EngineKind, Settings
+from workers.engines.base import EmbedEngine, PrefillEngine
+
+
+def load_language_engine(settings: Settings, model_path: str, served_name: str) -> PrefillEngine:
+    """An engine that generates and, in a prefill role, prefills (both adapters do both)."""
+    if settings.engine is EngineKind.SGLANG:
+        from workers.engines.sglang_engine import SglangEngine
+
+        return SglangEngine(settings, model_path, served_name)
+    from workers.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(settings, model_path, served_name)
+
+
+def load_embedding_engine(settings: Settings, model_path: str, served_name: str) -> EmbedEngine:
+    """A pooling engine: only vLLM serves embeddings."""
+    if settings.engine is not EngineKind.VLLM:
+        raise ValueError("embeddings are served by vLLM workers (--engine vllm --role embed)")
+    from workers.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(settings, model_path, served_name)

@@ -1,0 +1,178 @@
+"""The janitor: what keeps jobs moving when workers and gateways die.
+
+Every ``interval_s``:
+
+1. Renew this worker's claim on each running job, fenced (only while the job is
+   still this run's); stop the jobs another run took over.
+2. Reclaim the jobs of workers whose heartbeat expired, once idle for
+   ``claim_idle_ms``, and start them here; never a live worker's jobs, however
+   slow. After a stall (Redis, or this worker) hold off for a heartbeat TTL, so
+   that heartbeats that lapsed during it can resume. Safety net: an entry nobody
+   renewed for ``STALE_ENTRY_MS`` is restarted, logged as ``SAFETY_NET_LOG``.
+3. Every ``orphan_check_s``: abort running jobs whose gateway is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from shared import keys
+from shared.job_queue import Delivery, JobQueue, JobStream
+from shared.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
+from workers.active_jobs import ActiveJobs, Lifecycle
+from workers.journal import RunJournal
+
+log = logging.getLogger(__name__)
+
+JANITOR_INTERVAL_S = 0.5
+ORPHAN_CHECK_INTERVAL_S = 1.0
+STALL_S = 1.0
+"""A janitor pass this late means Redis or this worker stalled (see :func:`stall_check`)."""
+STALE_ENTRY_MS = 30_000
+SAFETY_NET_LOG = "SAFETY NET"
+"""Marks the log line of a job served by the stale-entry reclaim (tests fail on it)."""
+
+StallCheck = Callable[[float], bool]
+"""Given the time since the previous pass started: did Redis (or this worker) stall?"""
+
+
+def stall_check(heartbeat: HeartbeatThread | None, ttl_s: float, interval_s: float) -> StallCheck:
+    """A heartbeat thread times Redis itself; without one (tests on fakeredis) a late pass
+    is the sign."""
+    if heartbeat is not None:
+        return lambda _: heartbeat.redis_stalled(within_s=ttl_s)
+    return lambda since_previous_s: since_previous_s > interval_s + STALL_S
+
+
+@dataclass(frozen=True, slots=True)
+class JanitorTiming:
+    interval_s: float
+    orphan_check_s: float
+    hold_after_stall_s: float
+    """The heartbeat TTL: how long lapsed heartbeats need to resume."""
+
+
+class Reclaimer:
+    """Takes over the jobs of workers whose heartbeat expired (never a live worker's)."""
+
+    def __init__(
+        self,
+        *,
+        queue: JobQueue,
+        registry: WorkerRegistry,
+        streams: Sequence[JobStream],
+        worker_id: str,
+        claim_idle_ms: int,
+        start: Callable[[list[Delivery]], Awaitable[None]],
+    ) -> None:
+        self._queue = queue
+        self._registry = registry
+        self._streams = streams
+        self._worker_id = worker_id
+        self._claim_idle_ms = claim_idle_ms
+        self._start = start
+
+    async def reclaim(self, free_slots: Callable[[], int]) -> None:
+        for stream in self._streams:
+            free = free_slots()
+            if free <= 0:
+                return
+            dead = await self._dead_consumers(stream)
+            deliveries = []
+            if dead:
+                deliveries = await self._queue.reclaim(
+                    stream, self._worker_id, min_idle_ms=self._claim_idle_ms,
+                    count=free, from_consumers=dead,
+                )
+            if deliveries:
+                log.warning("reclaimed %d jobs of dead workers %s from %s",
+                            len(deliveries), sorted(dead), stream.name)
+                await self._start(deliveries)
+                continue
+            await self._safety_net(stream, free)
+
+    async def _safety_net(self, stream: JobStream, free: int) -> None:
+        # An entry nobody has renewed for this long is not being worked on by anyone,
+        # live or not (renewals happen every 0.5 s). It must never be what serves a
+        # request: when it fires, something upstream lost a job.
+        stale = await self._queue.reclaim(
+            stream, self._worker_id, min_idle_ms=STALE_ENTRY_MS, count=free, include_own=True,
+        )
+        if stale:
+            log.error("%s: %d jobs on %s sat %ds with no live owner working on them "
+                      "(a bug: a delivery was lost); restarting them", SAFETY_NET_LOG,
+                      len(stale), stream.name, STALE_ENTRY_MS // 1000)
+            await self._start(stale)
+
+    async def _dead_consumers(self, stream: JobStream) -> set[str]:
+        others = [c for c in await self._queue.consumers(stream) if c != self._worker_id]
+        return await self._registry.dead(others)
+
+
+class Janitor:
+    def __init__(
+        self,
+        *,
+        jobs: ActiveJobs,
+        lifecycle: Lifecycle,
+        journal: RunJournal,
+        reclaimer: Reclaimer,
+        gateways: GatewayWatch,
+        stalled: StallCheck,
+        timing: JanitorTiming,
+    ) -> None:
+        self._jobs = jobs
+        self._lifecycle = lifecycle
+        self._journal = journal
+        self._reclaimer = reclaimer
+        self._gateways = gateways
+        self._stalled = stalled
+        self._timing = timing
+
+    async def run(self) -> None:
+        last_orphan_check = 0.0
+        previous_start = time.monotonic()
+        hold_reclaim_until = 0.0
+        while True:
+            await asyncio.sleep(self._timing.interval_s)
+            started = time.monotonic()
+            try:
+                await self._refresh_ownership()
+                # Redis stalled (or, with no heartbeat thread, this process did): every
+                # heartbeat may have lapsed meanwhile, the live workers' too. Let them
+                # beat again before calling anyone dead.
+                if self._stalled(time.monotonic() - previous_start):
+                    hold_reclaim_until = time.monotonic() + self._timing.hold_after_stall_s
+                    log.warning("Redis or this worker stalled; no reclaim for %.1fs while "
+                                "heartbeats resume", self._timing.hold_after_stall_s)
+                if not self._lifecycle.stopping and time.monotonic() >= hold_reclaim_until:
+                    await self._reclaimer.reclaim(self._jobs.free)
+                if time.monotonic() - last_orphan_check > self._timing.orphan_check_s:
+                    last_orphan_check = time.monotonic()
+                    await self._drop_orphans()
+            except RedisError as exc:
+                log.warning("janitor pass failed: %s", exc)
+            previous_start = started
+
+    async def _refresh_ownership(self) -> None:
+        for job_id in await self._journal.refresh(self._jobs.leases()):
+            log.warning("job %s was taken over by another worker; stopping it here", job_id)
+            self._jobs.fence(job_id)
+
+    async def _drop_orphans(self) -> None:
+        """Abort jobs whose gateway died: nobody will read their tokens."""
+        gone = await self._gateways.gone(
+            keys.gateway_of_reply_stream(run.lease.delivery.job.reply_to)
+            for run, _ in self._jobs.runs()
+        )
+        for run, task in self._jobs.runs():
+            gateway = keys.gateway_of_reply_stream(run.lease.delivery.job.reply_to)
+            if gateway in gone:
+                log.warning("aborting job %s: its gateway %s is gone", run.lease.job_id, gateway)
+                task.cancel()
