@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,7 +30,21 @@ LOGIT_BIAS_RANGE = 100.0
 _INT32_MAX = 2**31 - 1
 
 
-StopSequence = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+def _valid_unicode(text: str) -> str:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer, encoder
+    or response can take: refused here, naming the field."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "text holds an unpaired UTF-16 surrogate (not valid Unicode)"
+            ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopSequence = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 
 
@@ -61,11 +76,11 @@ class ResponseFormat(_Lenient):
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageUrl(_Lenient):
-    url: str
+    url: Text
     detail: str | None = None
 
 
@@ -79,15 +94,15 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class SamplingFields(_Lenient):
     """Fields shared by chat and text completions. Floats refuse NaN and infinity, which
     Python's JSON parser accepts."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -110,7 +125,7 @@ class SamplingFields(_Lenient):
     min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
     return_token_ids: bool = False
     """Extension (as in vLLM's server): each choice carries its generated token ids."""
-    user: str | None = None
+    user: Text | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -153,7 +168,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -200,11 +215,11 @@ MAX_EMBEDDING_INPUTS = 2048
 class EmbeddingRequest(_Lenient):
     """``POST /v1/embeddings``: a string, a list of strings, token ids, or lists of them."""
 
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    model: Text
+    input: Text | list[Text] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=_INT32_MAX)
-    user: str | None = None
+    user: Text | None = None
 
     def inputs(self) -> list[str | list[int]]:
         """Normalize the four input shapes to a list of inputs."""

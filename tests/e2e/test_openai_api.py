@@ -187,6 +187,9 @@ def test_context_overflow_is_400_naming_max_tokens(client: openai.OpenAI, runnin
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"stop": ["x"] * 33}, None),
         ({"stream_options": {"include_usage": True}}, None),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_validation_errors_are_openai_shaped(
@@ -216,3 +219,25 @@ def test_stream_has_sse_ids(running: Running) -> None:
     ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
     assert ids == sorted(ids) and ids[0] == 0
     assert lines[-1] == "data: [DONE]"
+
+
+def _greedy_ids(running: Running, **extra: object) -> list[int]:
+    response = httpx.post(
+        f"{running.base_url}/v1/completions",
+        json={"model": running.model, "prompt": "The river", "max_tokens": 8,
+              "temperature": 0, "return_token_ids": True, **extra},
+        timeout=120,
+    )
+    response.raise_for_status()
+    ids: list[int] = response.json()["choices"][0]["token_ids"]
+    return ids
+
+
+def test_logit_bias_reaches_the_sampler(running: Running) -> None:
+    """+100 on one token makes greedy decoding pick only it; -100 bans the greedy choice."""
+    plain = _greedy_ids(running)
+    forced = next(token for token in range(300, 400) if token not in plain)
+    assert _greedy_ids(running, logit_bias={str(forced): 100}) == [forced] * 8
+    banned = _greedy_ids(running, logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+    assert plain[0] not in banned

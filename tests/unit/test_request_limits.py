@@ -287,3 +287,23 @@ def test_idempotency_key_of_255_printable_characters_is_accepted(client: TestCli
 def test_embedding_input_count_is_capped(client: TestClient) -> None:
     error = error_of(client.post(EMBEDDINGS, json={**BODIES[EMBEDDINGS], "input": ["a"] * 2049}))
     assert error["param"] == "input"
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value", "param"),
+    [
+        (CHAT, "messages", [{"role": "user", "content": "a\\ud800"}], "messages[0].content"),
+        (CHAT, "stop", ["ok", "\\udfff"], "stop[1]"),
+        (CHAT, "model", "tiny\\ud800", "model"),
+        (COMPLETIONS, "prompt", ["ok", "\\ud800"], "prompt[1]"),
+        (EMBEDDINGS, "input", "\\ud800", "input"),
+    ],
+)
+def test_lone_surrogates_are_a_400_naming_the_field(
+    client: TestClient, path: str, field: str, value: Any, param: str
+) -> None:
+    """JSON escapes like \\ud800 decode to text no tokenizer or response encoder can take."""
+    raw = json.dumps({**BODIES[path], field: value}).replace("\\\\u", "\\u")
+    error = error_of(post_raw(client, path, raw))
+    assert error["param"] == param
+    assert "surrogate" in error["message"]
