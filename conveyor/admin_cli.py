@@ -22,8 +22,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from conveyor.admin_output import print_key, print_key_table, print_usage, warn_unannounced
 from gateway.control.key_service import KeyService, KeySpec, KeyUpdate
-from gateway.control.records import BudgetPeriod, KeyRecord, Limits, parse_scopes
+from gateway.control.records import BudgetPeriod, Limits, parse_scopes
 from gateway.control.times import parse_instant
 from gateway.control.usage_report import usage_report
 from gateway.db import schema
@@ -167,8 +168,8 @@ async def _keys(args: argparse.Namespace, settings: Settings) -> int:
         now = datetime.now(UTC)
         if args.keys_command == "create":
             created = await service.create(_spec(args, now))
-            _print_key(created.record, now)
-            _warn_unannounced(service)
+            print_key(created.record, now)
+            warn_unannounced(service)
             print("The secret is shown once (only its hash is stored); it is the next line:")
             print(created.secret)
             return 0
@@ -177,7 +178,7 @@ async def _keys(args: argparse.Namespace, settings: Settings) -> int:
             if args.json:
                 print(json.dumps([record.to_json(now) for record in records], indent=2))
             else:
-                _print_key_table(records, now)
+                print_key_table(records, now)
             return 0
         if args.keys_command == "show":
             record = await service.get(args.id)
@@ -188,9 +189,9 @@ async def _keys(args: argparse.Namespace, settings: Settings) -> int:
         if getattr(args, "json", False):
             print(json.dumps(record.to_json(now), indent=2))
         else:
-            _print_key(record, now)
+            print_key(record, now)
         if args.keys_command in ("update", "revoke"):
-            _warn_unannounced(service)
+            warn_unannounced(service)
         return 0
 
 
@@ -210,7 +211,7 @@ async def _usage(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_usage(report)
+        print_usage(report)
     return 0
 
 
@@ -295,90 +296,3 @@ def _expiry(value: str | None, now: datetime) -> datetime | None:
     if value is None:
         return None
     return parse_instant(value, param="expires_at", now=now, ago=False)
-
-
-# ------------------------------------------------------------------------- output
-
-
-def _print_key(record: KeyRecord, now: datetime) -> None:
-    view = record.to_json(now)
-    width = max(len(name) for name in view)
-    for name, value in view.items():
-        if name != "object":
-            shown = ",".join(value) if isinstance(value, list) else value
-            print(f"{name:<{width}}  {'-' if shown is None else shown}")
-
-
-def _print_key_table(records: list[KeyRecord], now: datetime) -> None:
-    rows = [("ID", "NAME", "KEY", "SCOPES", "STATUS", "RPM", "TPM", "CREATED")]
-    for record in records:
-        limits = record.limits
-        rows.append(
-            (
-                record.id,
-                record.name,
-                record.masked_key,
-                ",".join(sorted(record.scopes)),
-                record.status(now),
-                _dash(limits.rpm),
-                _dash(limits.tpm),
-                record.created_at.strftime("%Y-%m-%d %H:%M"),
-            )
-        )
-    _print_table(rows)
-
-
-def _print_usage(report: dict[str, Any]) -> None:
-    columns = [
-        "requests",
-        "prompt_tokens",
-        "completion_tokens",
-        "cached_prompt_tokens",
-        "total_tokens",
-    ]
-    if "group_by" in report:
-        head = [report["group_by"].upper(), *(c.upper() for c in columns)]
-        rows = [
-            [_dash(item[report["group_by"]]), *(str(item[c]) for c in columns)]
-            for item in report["data"]
-        ]
-    else:
-        head = ["REQUEST", "KEY", "MODEL", "PROMPT", "COMPLETION", "STATUS", "RECEIVED"]
-        rows = [
-            [
-                item["request_id"],
-                _dash(item["key_id"]),
-                item["model"],
-                str(item["prompt_tokens"]),
-                str(item["completion_tokens"]),
-                item["status"],
-                item["received_at"],
-            ]
-            for item in report["data"]
-        ]
-    _print_table([head, *rows])
-    total = report["total"]
-    print("total: " + ", ".join(f"{c} {total[c]}" for c in columns))
-
-
-def _print_table(rows: list[Any]) -> None:
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print(
-            "  ".join(
-                f"{cell!s:<{width}}" for cell, width in zip(row, widths, strict=True)
-            ).rstrip()
-        )
-
-
-def _dash(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
-def _warn_unannounced(service: KeyService) -> None:
-    if service.notify_error is not None:
-        print(
-            f"warning: could not tell the gateways through Redis ({service.notify_error}); "
-            "they pick the change up within 30 s",
-            file=sys.stderr,
-        )

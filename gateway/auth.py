@@ -19,7 +19,7 @@ from fastapi import Request
 
 from gateway.control.records import ANONYMOUS, Principal, Scope, parse_scopes
 from gateway.state import GatewayState
-from shared.errors import InvalidApiKey, InvalidRequest, PermissionDenied
+from shared.errors import DatabaseUnavailable, InvalidApiKey, InvalidRequest, PermissionDenied
 from shared.settings import AuthMode, Settings
 
 MIN_ADMIN_KEY_CHARS = 16
@@ -45,8 +45,8 @@ def authenticate(state: GatewayState, authorization: str | None) -> Principal:
     """The request's principal; raises InvalidApiKey (401)."""
     if not state.settings.auth_enabled():
         return ANONYMOUS
-    if state.control is None:
-        raise InvalidApiKey("API keys are not available on this gateway yet.")
+    if state.control is None:  # the lifespan sets it before serving: not expected
+        raise DatabaseUnavailable("API keys are not loaded yet", retry_after_s=1)
     outcome = state.control.keys.resolve(bearer_secret(authorization))
     if isinstance(outcome, InvalidApiKey):
         raise outcome

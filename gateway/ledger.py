@@ -39,6 +39,9 @@ from shared.usage import UsageRecord, decode_usage
 
 log = logging.getLogger(__name__)
 
+FORGET_AFTER_MS = 3_600_000
+"""A consumer (a gateway process) silent this long with nothing pending is removed."""
+
 RawEntry = tuple[str, dict[bytes, bytes] | None]
 """A stream entry as read: id and fields (None: deleted while pending)."""
 
@@ -102,22 +105,35 @@ class LedgerConsumer:
 
     async def run(self) -> None:
         backoff_s = self._policy.backoff_initial_s
+        grouped = False
         while True:
             try:
-                await self.ensure_group()
-                await self.step()
+                if not grouped:  # again after an error: Redis may have restarted empty
+                    await self.ensure_group()
+                    grouped = True
+                started = time.monotonic()
+                if not await self.step():
+                    await self._idle(started)
                 backoff_s = self._policy.backoff_initial_s
             except DATABASE_ERRORS as exc:
                 self._database_failed(exc)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self._policy.backoff_max_s)
             except RedisError as exc:
+                grouped = False
                 log.warning("ledger: Redis error, retrying: %s", exc)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self._policy.backoff_max_s)
             except Exception:  # a bug must not stop the ledger: log it and go on
                 log.exception("ledger: unexpected error, retrying")
                 await asyncio.sleep(self._policy.backoff_max_s)
+
+    async def _idle(self, started: float) -> None:
+        """A read that found nothing returned before its BLOCK time was up (a server that
+        does not block, e.g. a fake): wait out the rest instead of spinning."""
+        left_s = self._policy.block_ms / 1000 - (time.monotonic() - started)
+        if left_s > 0:
+            await asyncio.sleep(left_s)
 
     async def step(self) -> int:
         """One batch: reclaim (now and then), read, write, ack. Returns entries handled."""
@@ -146,6 +162,17 @@ class LedgerConsumer:
         self._claim_cursor = as_text(reply[0])
         if reply[1]:
             log.info("ledger: took over %d entries from a gone consumer", len(reply[1]))
+        await self._forget_gone_consumers()
+
+    async def _forget_gone_consumers(self) -> None:
+        """Every gateway process is a new consumer: drop those idle for long with nothing
+        pending, so the group does not grow with every restart."""
+        consumers: Any = await self._redis.xinfo_consumers(keys.USAGE_STREAM, keys.USAGE_GROUP)
+        for consumer in consumers:
+            name = as_text(consumer["name"])
+            idle_ms = int(consumer["idle"])
+            if name != self.consumer and not consumer["pending"] and idle_ms > FORGET_AFTER_MS:
+                await self._redis.xgroup_delconsumer(keys.USAGE_STREAM, keys.USAGE_GROUP, name)
 
     async def _read_pending(self) -> list[RawEntry]:
         return await self._xreadgroup("0", block_ms=None)

@@ -3,13 +3,17 @@ then uvicorn lets open streams finish within the grace period before exiting."""
 
 from __future__ import annotations
 
+import logging
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from gateway.app import create_app
+from gateway.auth import AuthConfigError, check_auth_settings
 from shared.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
@@ -33,5 +37,10 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
 
 
 def serve(settings: Settings) -> int:
+    try:
+        check_auth_settings(settings)  # the lifespan checks too; here it is a clean exit
+    except AuthConfigError as exc:
+        log.error("%s", exc)
+        return 2
     DrainingServer(uvicorn_config(settings)).run()
     return 0

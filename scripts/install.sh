@@ -33,4 +33,15 @@ if ! command -v redis-server >/dev/null; then
     echo "warning: no redis-server binary; point CONVEYOR_REDIS_URL at a Redis" >&2
   fi
 fi
+# PostgreSQL, for the SQL test suites (scripts/ensure_services.py starts it when nothing
+# answers on 127.0.0.1:5432). Conveyor itself runs on its embedded SQLite without it.
+if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q postgresql >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q postgresql >/dev/null; }) ||
+      echo "warning: could not install postgresql; the SQL tests need one on 127.0.0.1:5432" >&2
+  else
+    echo "warning: no PostgreSQL binaries; the SQL tests need one on 127.0.0.1:5432" >&2
+  fi
+fi
 echo "installed: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1)"

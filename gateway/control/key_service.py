@@ -120,7 +120,7 @@ class KeyService:
             row = await _existing(session, key_id)
             if row.revoked_at is not None:
                 raise ApiKeyRevoked(f"API key {key_id} is revoked; create a new one", param="id")
-            merged = {**_spec_values(_spec_of(KeyRecord.from_row(row))), **changes}
+            merged = {**_spec_values(_spec_of(KeyRecord.from_row(row))), **_budget_pair(changes)}
             values = _validated(merged, now, changed=set(changes))
             await keys_repo.update(session, key_id, {**_columns(values), "updated_at": now})
             record = KeyRecord.from_row(row)
@@ -165,6 +165,15 @@ async def _existing(session: AsyncSession, key_id: str) -> ApiKeyRow:
     if row is None:
         raise ApiKeyNotFound(f"no API key with id {key_id!r}", param="id")
     return row
+
+
+def _budget_pair(changes: KeyUpdate) -> dict[str, Any]:
+    """Clearing one half of the budget (tokens or period) clears the whole budget."""
+    values: dict[str, Any] = dict(changes)
+    for half, other in (("budget_tokens", "budget_period"), ("budget_period", "budget_tokens")):
+        if half in values and values[half] is None and other not in values:
+            values[other] = None
+    return values
 
 
 def _spec_of(record: KeyRecord) -> KeySpec:

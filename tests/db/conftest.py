@@ -52,3 +52,14 @@ async def database(sql_target: SqlTarget) -> AsyncIterator[Database]:
         yield db
     finally:
         await db.dispose()
+
+
+@pytest.fixture
+def postgres_target() -> Iterator[SqlTarget]:
+    """A throwaway PostgreSQL database only (tests of what SQLite cannot show)."""
+    require_postgres()
+    target = create_postgres_database()
+    try:
+        yield target
+    finally:
+        drop_postgres_database(target)

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import func, select
 
+from gateway import ledger
 from gateway.db.engine import Database, open_database
 from gateway.db.models import UsageRow
 from gateway.ledger import LedgerConsumer, LedgerPolicy
@@ -130,6 +131,20 @@ async def test_a_gateway_dying_between_commit_and_ack_doubles_nothing(
     assert await row_count(database) == 10
     assert heir.status.duplicates_skipped == 10
     assert await redis.xlen(keys.USAGE_STREAM) == 0 and await pending(redis) == 0
+
+
+async def test_gone_consumers_with_nothing_pending_are_forgotten(
+    redis: aioredis.Redis, database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = LedgerConsumer(redis, database.sessions, "gw-old", FAST)
+    await old.ensure_group()
+    await old.step()  # registers "gw-old" in the group
+    monkeypatch.setattr(ledger, "FORGET_AFTER_MS", 0)
+    await asyncio.sleep(0.01)
+    new = LedgerConsumer(redis, database.sessions, "gw-new", FAST)
+    await new.step()
+    names = {c["name"] for c in await redis.xinfo_consumers(keys.USAGE_STREAM, keys.USAGE_GROUP)}
+    assert names == {b"gw-new"}
 
 
 async def test_entries_that_cannot_be_written_go_to_the_dead_letter_stream(
