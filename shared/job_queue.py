@@ -19,46 +19,73 @@ from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.errors import ProtocolError
+from shared.key_limits import (
+    ADMIT_LIMITS_LUA,
+    LIMIT_ARG_COUNT,
+    LimitCharge,
+    LimitUsage,
+    usage_from_reply,
+)
 from shared.protocol import VERSION, EmbedJob, GenerateJob, Job, decode, encode
 from shared.redis_conn import as_text
 from shared.roles import Role
 
 log = logging.getLogger(__name__)
 
-_ADMIT = """
+_ADMIT = (
+    ADMIT_LIMITS_LUA
+    + """
+-- KEYS: stream, idempotency key ('' = none), admitted marker, then the key-limit
+-- counters (see shared.key_limits). ARGV: max depth, idempotency ttl, request id,
+-- protocol version, job count, 1 if the request is limited, then the limit arguments
+-- (when limited), then one payload per job.
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
+local first_job = limited and (7 + LIMIT_ARGS) or 7
+local none = {0, 0, 0, 0}
 if redis.call('EXISTS', admitted) == 1 then
   -- a retry whose first try landed (its reply was lost): queued once, not twice
-  return {'queued', tostring(redis.call('XLEN', stream))}
+  return {'queued', tostring(redis.call('XLEN', stream)), none}
 end
 if idem ~= '' then
   local existing = redis.call('GET', idem)
-  if existing then return {'duplicate', existing} end
+  if existing then return {'duplicate', existing, none} end
+end
+local used = none
+if limited then
+  local over
+  over, used = limits_check(7)
+  if over then return {'limited', over, used} end
 end
 local depth = redis.call('XLEN', stream)
-local count = (#ARGV - 4) / 2
-if depth + count > max_depth then return {'full', tostring(depth)} end
-for i = 5, #ARGV, 2 do
-  redis.call('XADD', stream, '*', 'v', ARGV[4], 'm', ARGV[i + 1])
+if depth + count > max_depth then return {'full', tostring(depth), used} end
+for i = first_job, first_job + count - 1 do
+  redis.call('XADD', stream, '*', 'v', version, 'm', ARGV[i])
 end
+if limited then used = limits_charge(7, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
 redis.call('SET', admitted, '1', 'EX', 600)
-return {'queued', tostring(depth + count)}
-"""
+return {'queued', tostring(depth + count), used}
+""".replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
+)
 
 
 class Admission(StrEnum):
     QUEUED = "queued"
     FULL = "full"
     DUPLICATE = "duplicate"
+    LIMITED = "limited"
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionResult:
     outcome: Admission
     detail: str
-    """Queue depth after admission (queued/full) or the original request id (duplicate)."""
+    """Queue depth after admission (queued/full), the original request id (duplicate),
+    or the limit the request would pass (limited: a :class:`LimitKind` value)."""
+    usage: LimitUsage | None = None
+    """With a limited key: its counts after admission (or at refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,18 +124,32 @@ class JobQueue:
         max_depth: int,
         idempotency_key: str | None = None,
         idempotency_ttl_s: int = 3600,
+        charge: LimitCharge | None = None,
     ) -> AdmissionResult:
-        """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once."""
+        """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once.
+
+        With ``charge``, the key's limits are checked and counted in the same step.
+        """
         if not jobs:
             raise ValueError("submit needs at least one job")
         idem = keys.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
-        args: list[bytes | str | int] = [max_depth, idempotency_ttl_s, jobs[0].request_id, VERSION]
-        for job in jobs:
-            fields = encode(job)
-            args.extend([b"m", fields[b"m"]])
+        header: list[bytes | str | int] = [
+            max_depth,
+            idempotency_ttl_s,
+            jobs[0].request_id,
+            VERSION,
+            len(jobs),
+            1 if charge is not None else 0,
+        ]
+        limit_keys = charge.keys() if charge is not None else []
+        limit_args = charge.args() if charge is not None else []
+        payloads = [encode(job)[b"m"] for job in jobs]
         admitted = keys.admitted(jobs[0].request_id)
-        outcome, detail = await self._admit(keys=[stream, idem, admitted], args=args)
-        return AdmissionResult(Admission(as_text(outcome)), as_text(detail))
+        outcome, detail, counts = await self._admit(
+            keys=[stream, idem, admitted, *limit_keys], args=[*header, *limit_args, *payloads]
+        )
+        usage = usage_from_reply(charge, counts) if charge is not None else None
+        return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage)
 
     async def ensure_group(self, stream: str) -> None:
         try:

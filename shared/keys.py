@@ -109,3 +109,18 @@ USAGE_DEAD_LETTER = f"{PREFIX}:usage:dead"
 
 LEDGER_RETENTION_LOCK = f"{PREFIX}:ledger:retention"
 """Held (SET NX with a TTL) by the one gateway deleting expired ledger rows this period."""
+
+
+def key_window(key_id: str, limit: str, minute: int) -> str:
+    """A key's request or token count in one minute (``limit`` is rpm or tpm)."""
+    return f"{PREFIX}:limit:{key_id}:{limit}:{minute}"
+
+
+def key_concurrency(key_id: str) -> str:
+    """Sorted set: a key's open requests, scored by their lease expiry (ms)."""
+    return f"{PREFIX}:limit:{key_id}:open"
+
+
+def key_budget(key_id: str, period: str) -> str:
+    """A key's tokens used in one budget period (``d20261124``, ``m202611``)."""
+    return f"{PREFIX}:limit:{key_id}:budget:{period}"

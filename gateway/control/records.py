@@ -17,6 +17,10 @@ from gateway.control.key_secrets import masked
 from gateway.db.models import ApiKeyRow
 from shared.errors import InvalidRequest
 
+# Re-exported: their home is shared.key_limits (admission counts them in Redis).
+from shared.key_limits import BudgetPeriod as BudgetPeriod
+from shared.key_limits import Limits as Limits
+
 
 class Scope(StrEnum):
     INFERENCE = "inference"
@@ -25,11 +29,6 @@ class Scope(StrEnum):
     """/metrics"""
     ADMIN = "admin"
     """/admin/*, and every other scope."""
-
-
-class BudgetPeriod(StrEnum):
-    DAY = "day"
-    MONTH = "month"
 
 
 def parse_scopes(values: Iterable[str], *, param: str = "scopes") -> frozenset[Scope]:
@@ -46,26 +45,6 @@ def parse_scopes(values: Iterable[str], *, param: str = "scopes") -> frozenset[S
     if not scopes:
         raise InvalidRequest("a key needs at least one scope", param=param)
     return frozenset(scopes)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-key limits, fleet-wide; None means unlimited."""
-
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-    budget_tokens: int | None = None
-    budget_period: BudgetPeriod | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rpm": self.rpm,
-            "tpm": self.tpm,
-            "max_concurrent": self.max_concurrent,
-            "budget_tokens": self.budget_tokens,
-            "budget_period": self.budget_period.value if self.budget_period else None,
-        }
 
 
 UNLIMITED = Limits()
