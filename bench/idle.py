@@ -39,10 +39,12 @@ from bench.cpu import CpuMeter, CpuReport
 from bench.servers import (
     conveyor_server,
     drop_stale_jobs,
+    free_port,
     kv_transfers,
     parse_env,
     running,
 )
+from conveyor.redis_server import redis_answers
 
 DEFAULT_MODEL = Path("/tmp/demo-model")
 REGISTRY_BEAT_S = 1.2
@@ -50,31 +52,62 @@ REGISTRY_BEAT_S = 1.2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["disaggregated", "aggregated"],
-                        default="disaggregated")
-    parser.add_argument("--idle-s", type=float, default=15.0,
-                        help="seconds of each idle CPU sample")
-    parser.add_argument("--settle-s", type=float, default=5.0,
-                        help="pause after start-up and after traffic before sampling")
-    parser.add_argument("--transfers", type=int, default=20,
-                        help="disaggregated: sequential requests whose KV goes prefill->decode")
-    parser.add_argument("--input-tokens", type=int, default=601,
-                        help="prompt tokens of each transfer request (601: four full blocks)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.idle",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--mode", choices=["disaggregated", "aggregated"], default="disaggregated")
+    parser.add_argument(
+        "--idle-s", type=float, default=15.0, help="seconds of each idle CPU sample"
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=5.0,
+        help="pause after start-up and after traffic before sampling",
+    )
+    parser.add_argument(
+        "--transfers",
+        type=int,
+        default=20,
+        help="disaggregated: sequential requests whose KV goes prefill->decode",
+    )
+    parser.add_argument(
+        "--input-tokens",
+        type=int,
+        default=601,
+        help="prompt tokens of each transfer request (601: four full blocks)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="stacks to start, one at a time")
-    parser.add_argument("--env", default="", metavar="KEY=VALUE,...",
-                        help="extra environment variables of the stack")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                        help="model folder (the demo model is generated here if missing)")
+    parser.add_argument(
+        "--env",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="extra environment variables of the stack",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="model folder (the demo model is generated here if missing)",
+    )
     parser.add_argument("--served-model-name", default="conveyor-demo")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14",
-                        help="Redis db of the stack (not the tests' dbs 3 and 9, which they "
-                        "flush, nor bench.bench's 6-8)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis of the stack (default: `conveyor up` starts a private "
+        "redis-server on a free port, so nobody else's tests can flush it; "
+        "its CPU counts as the stack's)",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="server logs (default: a new /tmp/conveyor-idle-* folder)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="server logs (default: a new /tmp/conveyor-idle-* folder)",
+    )
     return parser
 
 
@@ -97,17 +130,22 @@ def _sample_idle(pid: int, redis_port: int, seconds: float) -> CpuReport:
 
 
 def _print_idle(label: str, report: CpuReport) -> float:
-    cores = sum(report.server.values()) / report.wall_s
-    print(f"  idle CPU {label}: {cores:.3f} cores busy (server tree {sum(report.server.values()):.2f}"
-          f" CPU-s over {report.wall_s:.1f}s; other processes on the machine "
-          f"{report.other_s / report.wall_s:.2f} cores)", flush=True)
+    busy_s = sum(report.server.values())
+    cores = busy_s / report.wall_s
+    print(
+        f"  idle CPU {label}: {cores:.3f} cores busy (server tree {busy_s:.2f} CPU-s over "
+        f"{report.wall_s:.1f}s; other processes on the machine "
+        f"{report.other_s / report.wall_s:.2f} cores)",
+        flush=True,
+    )
     for line in report.lines()[1:]:
         print(f"  {line}")
     return cores
 
 
-def _transfer_round(base_url: str, args: argparse.Namespace, round_no: int
-                    ) -> tuple[int, float, list[float]]:
+def _transfer_round(
+    base_url: str, args: argparse.Namespace, round_no: int
+) -> tuple[int, float, list[float]]:
     """Sequential requests with fresh prompts; (transfers, transfer seconds, latencies)."""
     before = kv_transfers(args.redis_url, args.served_model_name)
     latencies = []
@@ -115,8 +153,13 @@ def _transfer_round(base_url: str, args: argparse.Namespace, round_no: int
         for number in range(args.transfers + 1):  # the first one warms the path up
             rng = random.Random(f"{round_no}-{number}-{time.time()}")  # never a cache hit
             prompt = [1, *rng.choices(range(10, 4000), k=args.input_tokens - 1)]
-            body = {"model": args.served_model_name, "prompt": prompt, "max_tokens": 4,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": args.served_model_name,
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             started = time.perf_counter()
             response = client.post("/v1/completions", json=body)
             response.raise_for_status()
@@ -131,10 +174,20 @@ def _transfer_round(base_url: str, args: argparse.Namespace, round_no: int
 
 
 def run_once(args: argparse.Namespace, round_no: int, log_dir: Path) -> dict[str, float]:
-    drop_stale_jobs(args.redis_url, args.served_model_name)
-    server = conveyor_server(args.model, args.served_model_name, args.redis_url, args.dtype,
-                             64, log_dir / f"run{round_no}", mode=args.mode,
-                             env_overrides=parse_env(args.env) if args.env else None)
+    if args.redis_url is None:
+        args.redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    elif redis_answers(args.redis_url):
+        drop_stale_jobs(args.redis_url, args.served_model_name)
+    server = conveyor_server(
+        args.model,
+        args.served_model_name,
+        args.redis_url,
+        args.dtype,
+        64,
+        log_dir / f"run{round_no}",
+        mode=args.mode,
+        env_overrides=parse_env(args.env) if args.env else None,
+    )
     port = int(args.redis_url.split("://", 1)[1].split("/")[0].rpartition(":")[2] or 6379)
     result: dict[str, float] = {}
     print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
@@ -143,21 +196,25 @@ def run_once(args: argparse.Namespace, round_no: int, log_dir: Path) -> dict[str
         _wait_registered(server.base_url, args.served_model_name, roles, args.startup_timeout)
         assert server.pid is not None
         time.sleep(args.settle_s)
-        result["idle_cores"] = _print_idle("after start-up", _sample_idle(server.pid, port,
-                                                                           args.idle_s))
+        result["idle_cores"] = _print_idle(
+            "after start-up", _sample_idle(server.pid, port, args.idle_s)
+        )
         if args.mode == "disaggregated" and args.transfers > 0:
             count, seconds, latencies = _transfer_round(server.base_url, args, round_no)
             per = seconds / count * 1000 if count else float("nan")
             result["kv_ms"] = per
             result["latency_ms"] = statistics.median(latencies) * 1000
-            print(f"  KV handoff: {count} transfers for {len(latencies)} requests of "
-                  f"{args.input_tokens} prompt tokens, {per:.2f} ms per transfer "
-                  f"(decode worker's kv_transfer_s/kv_transfers); request latency p50 "
-                  f"{result['latency_ms']:.1f} ms, max {max(latencies) * 1000:.1f} ms",
-                  flush=True)
+            print(
+                f"  KV handoff: {count} transfers for {len(latencies)} requests of "
+                f"{args.input_tokens} prompt tokens, {per:.2f} ms per transfer "
+                f"(decode worker's kv_transfer_s/kv_transfers); request latency p50 "
+                f"{result['latency_ms']:.1f} ms, max {max(latencies) * 1000:.1f} ms",
+                flush=True,
+            )
             time.sleep(args.settle_s)
             result["idle_after_cores"] = _print_idle(
-                "after traffic", _sample_idle(server.pid, port, args.idle_s))
+                "after traffic", _sample_idle(server.pid, port, args.idle_s)
+            )
     return result
 
 
@@ -185,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the stack was stopped", file=sys.stderr)
         return 130
     print(f"\nsummary ({args.mode}, {args.repeat} stack(s), env: {args.env or 'default'}):")
-    for key, unit in (("idle_cores", "cores"), ("idle_after_cores", "cores"),
-                      ("kv_ms", "ms per KV transfer"), ("latency_ms", "ms request p50")):
+    for key, unit in (
+        ("idle_cores", "cores"),
+        ("idle_after_cores", "cores"),
+        ("kv_ms", "ms per KV transfer"),
+        ("latency_ms", "ms request p50"),
+    ):
         values = [r[key] for r in results if key in r]
         if values:
             listed = ", ".join(f"{v:.3f}" if unit == "cores" else f"{v:.2f}" for v in values)

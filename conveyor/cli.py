@@ -16,8 +16,9 @@ from typing import Any
 
 import httpx
 from pydantic import SecretStr
+from pydantic.fields import FieldInfo
 
-from shared.settings import Mode, Role, Settings
+from shared.settings import SETTING_GROUPS, Mode, Role, Settings, own_fields
 
 log = logging.getLogger("conveyor")
 
@@ -29,18 +30,28 @@ _SUBCOMMAND_HELP = {
 }
 
 
+_PRECEDENCE = "Every setting is a flag and a CONVEYOR_* environment variable; the flag wins."
+
+
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (flag > CONVEYOR_* environment > default)")
-    for name, info in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "CONVEYOR_" + name.upper()
-        default = info.default
-        help_text = f"{info.description or ''} [env {env}; default {default}]"
-        if info.annotation is bool:  # `--encode` alone means true; `--encode false` works too
-            group.add_argument(flag, dest=name, default=None, help=help_text, metavar="BOOL",
-                               nargs="?", const="true")
-            continue
-        group.add_argument(flag, dest=name, default=None, help=help_text, metavar="VALUE")
+    """Every setting as a flag, in one section per group (shared.settings.SETTING_GROUPS)."""
+    parser.description = f"{parser.description}. {_PRECEDENCE}"
+    for title, settings_group in SETTING_GROUPS:
+        who = (settings_group.__doc__ or "").replace("\n    ", " ")
+        group = parser.add_argument_group(f"{title} settings", who)
+        for name in own_fields(settings_group):
+            _add_setting_flag(group, name, Settings.model_fields[name])
+
+
+def _add_setting_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
+    flag = "--" + name.replace("_", "-")
+    env = "CONVEYOR_" + name.upper()
+    help_text = f"{info.description or ''} [env {env}; default {info.default}]"
+    if info.annotation is bool:  # `--encode` alone means true; `--encode false` works too
+        group.add_argument(flag, dest=name, default=None, help=help_text, metavar="BOOL",
+                           nargs="?", const="true")
+        return
+    group.add_argument(flag, dest=name, default=None, help=help_text, metavar="VALUE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
             command.add_argument("path", type=Path)
             command.add_argument("--seed", type=int, default=0)
-            command.add_argument("--kind", choices=KINDS, default="llama",
-                                 help="text (llama) or vision-language (llava, qwen2-vl)")
+            command.add_argument("--kind", choices=(*KINDS, "lora"), default="llama",
+                                 help="text (llama), vision-language (llava, qwen2-vl), or a "
+                                 "random LoRA adapter (lora) for the model folder --base")
+            command.add_argument("--base", type=Path, default=None,
+                                 help="--kind lora: the Llama-family model folder the adapter "
+                                 "is for (default: the demo model, generated if missing)")
         else:
             _add_setting_flags(command)
     from conveyor.admin_cli import add_admin_commands
@@ -91,6 +106,9 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo-model" and args.kind == "lora":
+        _setup_logging("INFO")
+        return write_lora(args.path, base=args.base, seed=args.seed)
     if args.command == "demo-model":
         _setup_logging("INFO")
         from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
@@ -112,6 +130,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_worker(settings)
     return run_up(settings)
+
+
+def write_lora(path: Path, *, base: Path | None, seed: int) -> int:
+    """`conveyor demo-model PATH --kind lora [--base MODEL_DIR]`."""
+    from shared.demo_lora import write_demo_lora
+
+    if base is None:
+        from shared.demo_model import write_demo_model
+
+        base = write_demo_model(Settings().demo_model_path())
+    try:
+        write_demo_lora(path, base=base, seed=seed)
+    except (ValueError, FileExistsError) as exc:
+        print(f"conveyor demo-model: {exc}", file=sys.stderr)
+        return 2
+    print(f"random LoRA adapter (rank 8) for {base} written to {path}; its output is noise")
+    return 0
 
 
 def run_gateway(settings: Settings) -> int:

@@ -21,7 +21,7 @@ from gateway.body_limit import BodySizeLimit
 from gateway.control.plane import ControlPlane
 from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.error_handlers import install_error_handlers
-from gateway.image_fetch import FetchPolicy, ImageFetcher, allowed_schemes
+from gateway.image_fetch import FetchPolicy, ImageFetcher
 from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
 from gateway.routes import admin, health, openai
@@ -35,17 +35,19 @@ from shared.media_store import ImageStore
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
 from shared.reply_stream import ReplyRouter
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: GatewaySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_auth_settings(settings)
-        state = _build_state(settings)
+        state = build_state(
+            settings, connect(settings.redis_url), _load_catalog(settings), _new_gateway_id()
+        )
         app.state.gateway = state
         control = state.control = ControlPlane(settings, state.redis, state.gateway_id)
         await control.start()
@@ -79,7 +81,8 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def build_app(
-    settings: Settings, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None
+    settings: GatewaySettings,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
 ) -> FastAPI:
     """Routes, error funnel and body-size limit; ``app.state.gateway`` comes from
     ``lifespan`` (tests set it themselves)."""
@@ -92,15 +95,25 @@ def build_app(
     return app
 
 
-def _build_state(settings: Settings) -> GatewayState:
-    gateway_id = f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    redis = connect(settings.redis_url)
+def _new_gateway_id() -> str:
+    return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _load_catalog(settings: GatewaySettings) -> ModelCatalog:
     catalog = ModelCatalog.load(
         settings.served_name(), resolve_model_path(settings), settings.max_model_len
     )
     embed_path, embed_name = settings.embed_model_path(), settings.embed_served_name()
     if embed_path is not None and embed_name is not None:
         catalog.add(load_model(embed_name, embed_path, None, ModelKind.EMBED))
+    return catalog
+
+
+def build_state(
+    settings: GatewaySettings, redis: aioredis.Redis, catalog: ModelCatalog, gateway_id: str
+) -> GatewayState:
+    """Everything a request handler needs, wired from ``settings`` (tests pass a fake Redis
+    and their own catalog); the lifespan starts its background tasks."""
     router = ReplyRouter(redis, keys.reply_stream(gateway_id))
     directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
     dispatcher = Dispatcher(
@@ -122,16 +135,10 @@ def _build_state(settings: Settings) -> GatewayState:
     )
 
 
-def _image_inputs(settings: Settings, redis: aioredis.Redis) -> ImageInputs:
-    policy = FetchPolicy(
-        schemes=allowed_schemes(settings.image_url_schemes),
-        max_bytes=settings.image_max_bytes,
-        timeout_s=settings.image_fetch_timeout_s,
-        private_networks=FetchPolicy.parse_networks(settings.image_private_networks),
-    )
+def _image_inputs(settings: GatewaySettings, redis: aioredis.Redis) -> ImageInputs:
     return ImageInputs(
-        ImageFetcher(policy),
+        ImageFetcher(FetchPolicy.from_settings(settings)),
         ImageStore(redis),
-        ImageLimits(settings.image_max_bytes, settings.image_max_pixels),
+        ImageLimits.from_settings(settings),
         max_images=settings.max_images_per_request,
     )

@@ -20,7 +20,7 @@ from fastapi import Request
 from gateway.control.records import ANONYMOUS, Principal, Scope, parse_scopes
 from gateway.state import GatewayState
 from shared.errors import DatabaseUnavailable, InvalidApiKey, InvalidRequest, PermissionDenied
-from shared.settings import AuthMode, Settings
+from shared.settings import AuthMode, GatewaySettings
 
 MIN_ADMIN_KEY_CHARS = 16
 
@@ -91,7 +91,7 @@ def is_loopback(host: str) -> bool:
         return False  # another host name: it may resolve to anything
 
 
-def check_auth_settings(settings: Settings) -> None:
+def check_auth_settings(settings: GatewaySettings) -> None:
     """Raise AuthConfigError (with what to do) when the gateway must not start."""
     admin = settings.admin_secret()
     if settings.auth is AuthMode.OFF and admin is not None:

@@ -1,4 +1,8 @@
-"""Turn a request's events into what the client receives: an SSE stream or one JSON body."""
+"""Turn a request's events into what the client receives: an SSE stream or one JSON body.
+
+These read a :class:`RequestHandle`; they never close it. Its owner does: the
+:class:`EventStreamResponse` for a stream, the serving step for a JSON body.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.dispatch import RequestHandle
+from gateway.request_handle import RequestHandle
 from gateway.responses import ChoiceState, Json, ResponseFormat, Usage
 from shared.errors import ConveyorError, RemoteError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
@@ -23,7 +27,8 @@ KEEPALIVE = ": keep-alive\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
-    """SSE response that always closes its request handle, even if never started."""
+    """SSE response that owns its request handle: closed when the response ends, however
+    it ends (last event, error, client gone), even if the stream never started."""
 
     def __init__(self, events: AsyncIterator[str], handle: RequestHandle) -> None:
         super().__init__(
@@ -38,10 +43,8 @@ class EventStreamResponse(StreamingResponse):
         self._handle = handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
+        async with self._handle:
             await super().__call__(scope, receive, send)
-        finally:
-            self._handle.close()
 
 
 def sse_data(body: Json, event_id: str | None = None) -> str:
@@ -101,8 +104,6 @@ async def stream_events(
     except ConveyorError as exc:
         log.warning("stream %s ended with an error: %s", handle.request_id, exc)
         yield "".join([*pending, sse_data(exc.to_openai()), DONE])
-    finally:
-        handle.close()
 
 
 async def collect_response(
@@ -111,20 +112,17 @@ async def collect_response(
     """The whole non-streaming response; raises the first sequence error."""
     states = {index: ChoiceState(index) for index in indices}
     usage = Usage(choices_per_prompt)
-    try:
-        async for event in handle.events():
-            if isinstance(event, TokenEvent):
-                state = states[event.index]
-                state.text.append(event.text)
-                state.logprobs.extend(event.logprobs or [])
-                state.token_ids.extend(event.token_ids)
-            elif isinstance(event, FinishEvent):
-                states[event.index].finish_reason = event.finish_reason
-                usage.add(event)
-            elif isinstance(event, ErrorEvent):
-                raise RemoteError(event)
-    finally:
-        handle.close()
+    async for event in handle.events():
+        if isinstance(event, TokenEvent):
+            state = states[event.index]
+            state.text.append(event.text)
+            state.logprobs.extend(event.logprobs or [])
+            state.token_ids.extend(event.token_ids)
+        elif isinstance(event, FinishEvent):
+            states[event.index].finish_reason = event.finish_reason
+            usage.add(event)
+        elif isinstance(event, ErrorEvent):
+            raise RemoteError(event)
     return fmt.response([states[i] for i in indices], usage)
 
 

@@ -1,18 +1,18 @@
-"""Admission and the life of one request inside the gateway.
+"""Admission: a planned request becomes jobs on a job stream, or a refusal.
 
-``Dispatcher.submit`` queues a request's jobs (or refuses it with 429/503/409)
-and returns a :class:`RequestHandle` whose :meth:`RequestHandle.events` yields
-the workers' events in order. Closing a handle before its last event sends a
-cancel from a shielded task, so the abort leaves even when the caller is being
-cancelled by a client disconnect.
+``Dispatcher.submit(plan)`` routes a :class:`~gateway.plan.RequestPlan` (first
+stage, encode in front when it has images), builds its jobs, queues them all or
+none (429/503/409) and returns the :class:`~gateway.request_handle.RequestHandle`
+whose events the reply router delivers. A handle closed before its last event
+sends a cancel from a shielded task, so the abort leaves even when the caller is
+being cancelled by a client disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -21,32 +21,18 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.drain_rate import DrainMeter
-from gateway.translate import ChoiceSpec
+from gateway.plan import AnyPlan, Embedding, Generation
+from gateway.request_handle import RequestHandle
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
-from shared.errors import (
-    BackendUnavailable,
-    DeadlineExceeded,
-    IdempotencyConflict,
-    NoLiveWorker,
-    Overloaded,
-)
+from shared.errors import BackendUnavailable, IdempotencyConflict, NoLiveWorker, Overloaded
 from shared.job_queue import Admission, AdmissionResult, JobQueue
-from shared.protocol import (
-    FINAL_EVENTS,
-    CancelCommand,
-    EmbedJob,
-    Event,
-    GenerateJob,
-    ImageRef,
-    Job,
-    encode_bytes,
-)
+from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
 from shared.redis_conn import db_of
-from shared.reply_stream import ReplyRouter, StreamInterrupted
+from shared.reply_stream import ReplyRouter
 from shared.retry import Backoff, retry
 from shared.roles import Role
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +47,7 @@ class AdmissionPolicy:
     admission_retry_s: float
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> AdmissionPolicy:
+    def from_settings(cls, settings: GatewaySettings) -> AdmissionPolicy:
         return cls(
             queue_max_depth=settings.queue_max_depth,
             idempotency_ttl_s=settings.idempotency_ttl_s,
@@ -104,86 +90,78 @@ class Dispatcher:
             retry_on=(RedisConnectionError, RedisTimeoutError),
         )
 
-    async def submit(
-        self,
-        request_id: str,
-        model: str,
-        choices: list[ChoiceSpec],
-        *,
-        timeout_s: float,
-        idempotency_key: str | None,
-        images: tuple[ImageRef, ...] = (),
-    ) -> RequestHandle:
-        longest_prompt = max(len(choice.prompt_token_ids) for choice in choices)
-        role = self._directory.first_stage(model, longest_prompt, self._policy.min_prefill_tokens)
+    async def submit(self, plan: AnyPlan) -> RequestHandle:
+        """Queue the plan's jobs (all or none) and return the handle of their events;
+        raises NoLiveWorker (503), Overloaded (429), IdempotencyConflict (409) or
+        BackendUnavailable (503)."""
+        work = plan.work
+        if isinstance(work, Embedding):
+            stream, jobs = self._embed_jobs(plan, work)
+        else:
+            stream, jobs = self._generate_jobs(plan, work)
+        return await self._enqueue(stream, jobs, plan)
+
+    def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, list[Job]]:
+        """One job per choice, on the stream of the request's first stage."""
+        role = self._directory.first_stage(
+            plan.model, work.longest_prompt(), self._policy.min_prefill_tokens
+        )
         if role is None:
             raise NoLiveWorker(
-                f"no live worker serves model `{model}` right now; retry shortly",
+                f"no live worker serves model `{plan.model}` right now; retry shortly",
                 retry_after_s=5,
             )
         # With an encode pool, images go through it first; without, the language
         # worker takes the raw images itself.
         after_encode = None
-        if images and self._directory.serving(model, Role.ENCODE):
+        if work.images and self._directory.serving(plan.model, Role.ENCODE):
             role, after_encode = Role.ENCODE, role
-        now = time.time()
-        jobs = [
+        jobs: list[Job] = [
             GenerateJob(
-                request_id=request_id,
+                request_id=plan.request_id,
                 index=choice.index,
-                model=model,
+                model=plan.model,
                 prompt_token_ids=choice.prompt_token_ids,
                 sampling=choice.sampling,
                 reply_to=self._router.stream,
-                deadline_unix=now + timeout_s,
-                created_unix=now,
-                images=images,
+                deadline_unix=plan.deadline.deadline_unix,
+                created_unix=plan.deadline.created_unix,
+                images=work.images,
                 after_encode=after_encode,
             )
-            for choice in choices
+            for choice in work.choices
         ]
-        return await self._enqueue(keys.job_stream(model, role), jobs, idempotency_key)
+        return keys.job_stream(plan.model, role), jobs
 
-    async def submit_embeddings(
-        self,
-        request_id: str,
-        model: str,
-        prompts: list[list[int]],
-        *,
-        timeout_s: float,
-        dimensions: int | None,
-    ) -> RequestHandle:
+    def _embed_jobs(self, plan: AnyPlan, work: Embedding) -> tuple[str, list[Job]]:
         """One embedding job per input, on the model's embed stream."""
-        if not self._directory.serving(model, Role.EMBED):
+        if not self._directory.serving(plan.model, Role.EMBED):
             raise NoLiveWorker(
-                f"no live embedding worker serves model `{model}` right now; retry shortly",
+                f"no live embedding worker serves model `{plan.model}` right now; retry shortly",
                 retry_after_s=5,
             )
-        now = time.time()
-        jobs = [
+        jobs: list[Job] = [
             EmbedJob(
-                request_id=request_id,
+                request_id=plan.request_id,
                 index=index,
-                model=model,
+                model=plan.model,
                 prompt_token_ids=prompt,
                 reply_to=self._router.stream,
-                deadline_unix=now + timeout_s,
-                created_unix=now,
-                dimensions=dimensions,
+                deadline_unix=plan.deadline.deadline_unix,
+                created_unix=plan.deadline.created_unix,
+                dimensions=work.dimensions,
             )
-            for index, prompt in enumerate(prompts)
+            for index, prompt in enumerate(work.prompts)
         ]
-        return await self._enqueue(keys.job_stream(model, Role.EMBED), jobs, None)
+        return keys.job_stream(plan.model, Role.EMBED), jobs
 
-    async def _enqueue(
-        self, stream: str, jobs: Sequence[Job], idempotency_key: str | None
-    ) -> RequestHandle:
+    async def _enqueue(self, stream: str, jobs: list[Job], plan: AnyPlan) -> RequestHandle:
         """Queue all of ``jobs`` (one request) and open the route for their events."""
-        request_id, model, deadline = jobs[0].request_id, jobs[0].model, jobs[0].deadline_unix
+        request_id = plan.request_id
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(stream, jobs, idempotency_key)
+            result = await self._admit(stream, jobs, plan.idempotency_key)
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
@@ -193,9 +171,15 @@ class Dispatcher:
             if result.outcome is Admission.FULL:
                 excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
                 retry_after = self.drain.retry_after_s(stream, excess)
-            _raise_refusal(result.outcome, result.detail, model, retry_after)
-        log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), model)
-        return RequestHandle(self, request_id, len(jobs), events, deadline)
+            _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
+        log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
+        return RequestHandle(
+            request_id,
+            len(jobs),
+            events,
+            plan.deadline,
+            on_close=lambda cancel: self.close(request_id, cancel=cancel),
+        )
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)
@@ -239,77 +223,3 @@ def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: i
         "it is not queued twice",
         param="Idempotency-Key",
     )
-
-
-class RequestHandle:
-    """Events of one request's sequences; ``close`` cancels what has not finished."""
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        request_id: str,
-        sequences: int,
-        queue: asyncio.Queue[Event | StreamInterrupted],
-        deadline_unix: float,
-    ) -> None:
-        self.request_id = request_id
-        self._dispatcher = dispatcher
-        self._queue = queue
-        self._unfinished = sequences
-        self._next_seq: dict[int, int] = {}
-        self.duplicates_dropped = 0
-        self._deadline_unix = deadline_unix
-        self._closed = False
-
-    async def events(self, *, idle_timeout_s: float | None = None) -> AsyncIterator[Event | None]:
-        """Yields events until every sequence ended; ``None`` after ``idle_timeout_s`` of quiet."""
-        while self._unfinished > 0:
-            remaining = self._deadline_unix - time.time()
-            if remaining <= 0:
-                raise DeadlineExceeded("the request timed out before the model finished")
-            wait = remaining if idle_timeout_s is None else min(idle_timeout_s, remaining)
-            try:
-                item = await self._next(wait)
-            except TimeoutError:
-                if time.time() >= self._deadline_unix:
-                    raise DeadlineExceeded(
-                        "the request timed out before the model finished"
-                    ) from None
-                yield None
-                continue
-            if isinstance(item, StreamInterrupted):
-                raise BackendUnavailable(item.reason)
-            if not self._in_order(item):
-                continue
-            if isinstance(item, FINAL_EVENTS):
-                self._unfinished -= 1
-            yield item
-
-    async def _next(self, wait_s: float) -> Event | StreamInterrupted:
-        try:
-            return self._queue.get_nowait()  # the common case under load: no timer, no task
-        except asyncio.QueueEmpty:
-            # A timeout scope, not wait_for: no task per event while a stream waits.
-            async with asyncio.timeout(wait_s):
-                return await self._queue.get()
-
-    def has_buffered(self) -> bool:
-        """Events already arrived and not yet yielded (a writer can batch them)."""
-        return not self._queue.empty()
-
-    def _in_order(self, event: Event) -> bool:
-        """Drop repeats (seq already seen for this choice); note gaps."""
-        expected = self._next_seq.get(event.index, 0)
-        if event.seq < expected:
-            self.duplicates_dropped += 1
-            return False
-        if event.seq > expected:
-            log.warning("%s choice %d: seq gap %d..%d", self.request_id, event.index,
-                        expected, event.seq - 1)
-        self._next_seq[event.index] = event.seq + 1
-        return True
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._dispatcher.close(self.request_id, cancel=self._unfinished > 0)

@@ -6,8 +6,8 @@ import base64
 import struct
 
 from gateway import limits
-from gateway.dispatch import RequestHandle
 from gateway.model_catalog import ServedModel
+from gateway.request_handle import RequestHandle
 from gateway.responses import Json
 from gateway.schemas import EmbeddingRequest
 from shared.errors import ContextLengthExceeded, InvalidRequest, RemoteError
@@ -61,14 +61,11 @@ async def collect_embeddings(
 ) -> Json:
     """Every input's embedding, in input order; raises the first error a worker reported."""
     vectors: dict[int, EmbeddingEvent] = {}
-    try:
-        async for event in handle.events():
-            if isinstance(event, EmbeddingEvent):
-                vectors[event.index] = event
-            elif isinstance(event, ErrorEvent):
-                raise RemoteError(event)
-    finally:
-        handle.close()
+    async for event in handle.events():
+        if isinstance(event, EmbeddingEvent):
+            vectors[event.index] = event
+        elif isinstance(event, ErrorEvent):
+            raise RemoteError(event)
     ordered = [vectors[index] for index in sorted(vectors)]
     prompt_tokens = sum(event.prompt_tokens for event in ordered)
     return {

@@ -1,4 +1,8 @@
-"""The one funnel from exceptions to OpenAI-shaped error responses."""
+"""The one funnel from exceptions to OpenAI-shaped error responses.
+
+Every error body, here and inside a stream (gateway/delivery.py), is built by
+:func:`shared.errors.openai_error`.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from shared.errors import ConveyorError, RetryableError
+from shared.errors import ConveyorError, RetryableError, openai_error
 
 log = logging.getLogger(__name__)
-
-
-def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 async def _conveyor_error(_: Request, exc: Exception) -> JSONResponse:
@@ -42,7 +42,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     elif param:
         message = f"{param}: {message}"
     return JSONResponse(
-        error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
+        openai_error(message, "invalid_request_error", param, "invalid_value"), status_code=400
     )
 
 
@@ -61,7 +61,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
         raise exc
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(
-        error_body(str(exc.detail), type_, None, None),
+        openai_error(str(exc.detail), type_, None, None),
         status_code=exc.status_code,
         headers=exc.headers,
     )
@@ -70,7 +70,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse(
-        error_body("internal server error", "server_error", None, None), status_code=500
+        openai_error("internal server error", "server_error", None, None), status_code=500
     )
 
 

@@ -23,6 +23,7 @@ from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 import httpx
 
 from shared.errors import ImageFetchError
+from shared.settings import ImageSettings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -36,8 +37,17 @@ class FetchPolicy:
     schemes: frozenset[str]
     max_bytes: int
     timeout_s: float
-    private_networks: tuple[IPNetwork, ...] = ()
+    private_networks: tuple[IPNetwork, ...]
     """Non-public networks an operator allows (e.g. an internal image store)."""
+
+    @classmethod
+    def from_settings(cls, settings: ImageSettings) -> FetchPolicy:
+        return cls(
+            schemes=allowed_schemes(settings.image_url_schemes),
+            max_bytes=settings.image_max_bytes,
+            timeout_s=settings.image_fetch_timeout_s,
+            private_networks=cls.parse_networks(settings.image_private_networks),
+        )
 
     @classmethod
     def parse_networks(cls, text: str) -> tuple[IPNetwork, ...]:

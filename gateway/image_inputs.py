@@ -1,18 +1,23 @@
-"""The images of a chat request: found, fetched, validated and stored before queueing.
+"""The images of a chat request: found and counted, then fetched, validated and stored.
 
-Nothing is queued for a request whose images fail: every part is fetched
-(concurrently), checked (JPEG/PNG/WEBP, byte and pixel limits) and only then
-stored in Redis under its content hash, for the encode or language worker.
-Errors name the content part, e.g. ``messages[0].content[1]``.
+Two steps, so the serving step can put its cheap checks first: :meth:`ImageInputs.parts`
+finds the image parts and checks them without I/O (a text-only model, too many
+images); :meth:`ImageInputs.load` runs only once the text is known to fit. Nothing
+is queued for a request whose images fail: every part is fetched (concurrently),
+checked (JPEG/PNG/WEBP, byte and pixel limits) and only then stored in Redis under
+its content hash, for the encode or language worker. Errors name the content part,
+e.g. ``messages[0].content[1]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 from gateway.image_fetch import ImageFetcher
 from gateway.model_catalog import ServedModel
+from gateway.plan import Deadline
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from shared.errors import ConveyorError, InvalidRequest
 from shared.images import ImageLimits, check_image, content_hash
@@ -58,12 +63,12 @@ class ImageInputs:
     async def aclose(self) -> None:
         await self._fetcher.aclose()
 
-    async def collect(
-        self, request: ChatCompletionRequest, model: ServedModel, *, timeout_s: float
-    ) -> tuple[ImageRef, ...]:
+    def parts(self, request: ChatCompletionRequest, model: ServedModel) -> list[ImagePartRef]:
+        """The request's image parts, checked without fetching anything: images sent to a
+        text-only model, or more than the limit, are a 400 here."""
         parts = image_parts(request)
         if not parts:
-            return ()
+            return parts
         if model.image_token_id is None:
             raise InvalidRequest(
                 f"`{model.name}` is a text-only model and does not accept image content "
@@ -76,6 +81,14 @@ class ImageInputs:
                 "(CONVEYOR_MAX_IMAGES_PER_REQUEST)",
                 param="messages",
             )
+        return parts
+
+    async def load(self, parts: list[ImagePartRef], deadline: Deadline) -> tuple[ImageRef, ...]:
+        """Fetch and check every part (concurrently), then store them all until
+        ``STORE_MARGIN_S`` after the request's deadline; the first failure is raised and
+        nothing is stored."""
+        if not parts:
+            return ()
         loaded = await asyncio.gather(*(self._load(part) for part in parts),
                                       return_exceptions=True)
         images: list[tuple[str, bytes]] = []
@@ -83,7 +96,8 @@ class ImageInputs:
             if isinstance(outcome, BaseException):
                 raise outcome
             images.append(outcome)
-        await self._store.put_many(images, int(timeout_s) + STORE_MARGIN_S)
+        ttl_s = max(1, math.ceil(deadline.remaining_s())) + STORE_MARGIN_S
+        await self._store.put_many(images, ttl_s)
         return tuple(ImageRef(digest, len(data)) for digest, data in images)
 
     async def _load(self, part: ImagePartRef) -> tuple[str, bytes]:

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from gateway.model_catalog import ServedModel
 from gateway.schemas import ChatCompletionRequest, TextPart
 from shared.errors import ContextLengthExceeded, InvalidRequest
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 TIMEOUT_HEADER = "X-Request-Timeout"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
-def request_timeout_s(value: float | None, settings: Settings) -> float:
+def request_timeout_s(value: float | None, settings: GatewaySettings) -> float:
     """The request's deadline in seconds: the header's (finite, positive) or the default,
     cut to ``settings.max_request_timeout_s``."""
     if value is None:
@@ -49,7 +49,7 @@ def _printable_ascii(text: str) -> bool:
     return text.isascii() and text.isprintable()
 
 
-def check_jobs(count: int, settings: Settings, param: str) -> None:
+def check_jobs(count: int, settings: GatewaySettings, param: str) -> None:
     """A request needing more jobs than a queue holds would be refused (429) forever."""
     if count > settings.queue_max_depth:
         raise InvalidRequest(
@@ -59,7 +59,9 @@ def check_jobs(count: int, settings: Settings, param: str) -> None:
         )
 
 
-def check_chat(request: ChatCompletionRequest, model: ServedModel, settings: Settings) -> None:
+def check_chat(
+    request: ChatCompletionRequest, model: ServedModel, settings: GatewaySettings
+) -> None:
     """Message count, sequence count and text length of a chat request (before templating)."""
     if len(request.messages) > settings.max_messages:
         raise InvalidRequest(

@@ -11,7 +11,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.auth import AuthConfigError, check_auth_settings
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def uvicorn_config(settings: Settings) -> uvicorn.Config:
+def uvicorn_config(settings: GatewaySettings) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -36,7 +36,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: GatewaySettings) -> int:
     try:
         check_auth_settings(settings)  # the lifespan checks too; here it is a clean exit
     except AuthConfigError as exc:

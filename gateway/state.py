@@ -15,12 +15,12 @@ from gateway.model_catalog import ModelCatalog
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
 from shared.reply_stream import ReplyRouter
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 
 
 @dataclass(slots=True)
 class GatewayState:
-    settings: Settings
+    settings: GatewaySettings
     gateway_id: str
     redis: aioredis.Redis
     catalog: ModelCatalog

@@ -1,30 +1,22 @@
-"""The one translation point: OpenAI requests -> internal prompts and SamplingOptions."""
+"""OpenAI request fields -> prompt token ids and SamplingOptions, for the serving step
+(:mod:`gateway.serving`, the one translation point between the two vocabularies)."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from gateway import limits
 from gateway.model_catalog import ServedModel
+from gateway.plan import ChoiceSpec
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ChoiceSpec:
-    """One sequence to generate: the OpenAI choice index and its prompt."""
-
-    index: int
-    prompt_token_ids: list[int]
-    sampling: SamplingOptions
 
 
 class UnknownFieldLog:

@@ -15,6 +15,8 @@ ConveyorError
 ├── ModelNotFound (404, model_not_found)
 ├── ApiKeyNotFound (404)                              /admin/keys/{id} names no key
 ├── Overloaded (429, rate_limit_exceeded)             recoverable: retry after `retry_after_s`
+├── KeyRateLimited (429, rate_limit_exceeded)         the key's RPM/TPM/concurrency limit: retry later
+├── QuotaExceeded (429, insufficient_quota)           the key's token budget for this period is spent
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
 ├── GatewayDraining (503)                             recoverable: another gateway / later
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
@@ -50,14 +52,15 @@ class ConveyorError(Exception):
         self.param = param
 
     def to_openai(self) -> dict[str, dict[str, str | None]]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return openai_error(self.message, self.type, self.param, self.code)
+
+
+def openai_error(
+    message: str, type_: str, param: str | None, code: str | None
+) -> dict[str, dict[str, str | None]]:
+    """OpenAI's error envelope, the one builder of it: HTTP error answers (the gateway's
+    funnel) and errors inside a stream (SSE ``data:``) alike."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class InvalidRequest(ConveyorError):
@@ -153,6 +156,30 @@ class Overloaded(RetryableError):
     status = 429
     type = "rate_limit_exceeded"
     code = "queue_full"
+
+
+class KeyRateLimited(RetryableError):
+    """Over the API key's requests/tokens per minute or concurrency (OpenAI's shape: the
+    type names what ran out, the code is ``rate_limit_exceeded``)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int,
+                 headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.type = limit
+        self.headers = headers
+
+
+class QuotaExceeded(RetryableError):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+    def __init__(self, message: str, *, retry_after_s: int, headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.headers = headers
 
 
 class NoLiveWorker(RetryableError):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from shared.errors import InvalidImage
+from shared.settings import ImageSettings
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -44,6 +45,10 @@ def sniff_format(data: bytes) -> str | None:
 class ImageLimits:
     max_bytes: int
     max_pixels: int
+
+    @classmethod
+    def from_settings(cls, settings: ImageSettings) -> ImageLimits:
+        return cls(max_bytes=settings.image_max_bytes, max_pixels=settings.image_max_pixels)
 
 
 def check_image(data: bytes, limits: ImageLimits) -> tuple[int, int]:

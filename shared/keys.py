@@ -96,6 +96,23 @@ def image_embedding(model: str, digest: str) -> str:
     return f"{PREFIX}:embedding:{model}:{digest}"
 
 
+def adapters_desired(base_model: str) -> str:
+    """Hash: LoRA adapter name -> its AdapterSpec, the adapters every worker of
+    ``base_model`` must load (written from SQL by the gateway; see shared/adapters.py)."""
+    return f"{PREFIX}:adapters:{base_model}"
+
+
+def adapters_generation(base_model: str) -> str:
+    """Counter bumped with every write of :func:`adapters_desired` (workers poll it).
+    Missing: the desired state is unknown (never published, or lost): workers keep theirs."""
+    return f"{PREFIX}:adapters-generation:{base_model}"
+
+
+def command_reply(command_id: str) -> str:
+    """List a worker pushes its answer to one admin command onto (short-lived)."""
+    return f"{PREFIX}:command-reply:{command_id}"
+
+
 API_KEYS_GENERATION = f"{PREFIX}:apikeys:generation"
 """Counter bumped after every change to the API keys in SQL; gateways poll it and reload."""
 

@@ -56,6 +56,13 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
     """False for SGLang decode workers: they cannot run a prompt without a prefill."""
     embedding_cache: dict[str, int] | None = None
     """Encode workers: image embedding cache hits, misses, evictions, entries, bytes."""
+    paused: bool = False
+    """Drained by an admin command: takes no jobs until resumed (``draining`` is set too)."""
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    """LoRA adapter name -> ``loaded`` / ``loading`` / ``unloading`` / ``failed: <reason>``
+    (see shared/adapters.py)."""
+    adapters_generation: int = 0
+    """The generation of the desired adapters (shared/adapters.py) this worker applied."""
 
 
 _decoder = msgspec.json.Decoder(WorkerRegistration)

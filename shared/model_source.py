@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from shared.settings import Settings
+from shared.settings import ImageSettings
 
 log = logging.getLogger(__name__)
 
 
-def resolve_model_path(settings: Settings) -> str:
+def resolve_model_path(settings: ImageSettings) -> str:
     """The configured model, or the demo model (generated on first use)."""
     if settings.model:
         return settings.model
@@ -21,6 +21,6 @@ def resolve_model_path(settings: Settings) -> str:
     return str(path.resolve())
 
 
-def demo_kind(settings: Settings) -> str:
+def demo_kind(settings: ImageSettings) -> str:
     """An encode worker needs a vision-language model: the demo is then a tiny LLaVA."""
     return "llava" if settings.encode else "llama"

@@ -3,7 +3,8 @@
 Named by pipeline stage: the gateway sends a :class:`GenerateJob` down a job
 stream; a worker sends :class:`TokenEvent` / :class:`FinishEvent` /
 :class:`ErrorEvent` back on the gateway's reply stream; :class:`CancelCommand`
-travels on the control channel. Messages are frozen msgspec structs encoded as
+and :class:`WorkerCommand` travel on the control channel (a worker answers the latter
+with a :class:`WorkerCommandResult`). Messages are frozen msgspec structs encoded as
 MessagePack (never pickled) and carry a protocol version.
 """
 
@@ -88,6 +89,9 @@ class GenerateJob(
     """An encode worker stored the images' embeddings: use those, not the raw images."""
     after_encode: Role | None = None
     """Encode stage: the role (stage) the job goes to once its images are encoded."""
+    adapter: str | None = None
+    """The LoRA adapter to run with (its registered name; ``model`` is that name too, so
+    the job travels on the adapter's own streams: see shared/adapters.py)."""
 
     @property
     def job_id(self) -> str:
@@ -194,8 +198,39 @@ class CancelCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kin
     request_id: str
 
 
+class WorkerCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="wcmd"):
+    """An admin command for one worker (control channel); answered with a
+    :class:`WorkerCommandResult` pushed onto ``keys.command_reply(command_id)``."""
+
+    command_id: str
+    worker_id: str
+    command: str
+    """A :class:`shared.worker_commands.Command` value (a plain string on the wire, so a
+    command a worker does not know is answered, not dropped as undecodable)."""
+    timeout_s: float
+    """How long the sender waits: the worker answers within it."""
+
+
+class WorkerCommandResult(
+    msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="wres"
+):
+    command_id: str
+    worker_id: str
+    status: str
+    """A :class:`shared.worker_commands.CommandStatus` value."""
+    detail: str
+
+
 Message = (
-    GenerateJob | EmbedJob | TokenEvent | FinishEvent | ErrorEvent | EmbeddingEvent | CancelCommand
+    GenerateJob
+    | EmbedJob
+    | TokenEvent
+    | FinishEvent
+    | ErrorEvent
+    | EmbeddingEvent
+    | CancelCommand
+    | WorkerCommand
+    | WorkerCommandResult
 )
 
 _encoder = msgspec.msgpack.Encoder()

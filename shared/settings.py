@@ -1,8 +1,16 @@
-"""Typed settings for every Conveyor process.
+"""Typed settings for every Conveyor process, grouped by who reads them.
 
 Built once per process (``Settings()`` reads ``CONVEYOR_*`` environment variables,
 command-line flags override them) and passed down; nothing reads the
-environment at import time.
+environment at import time. One namespace, one ``--help``; each part of a process
+takes the narrowest group it reads:
+
+CommonSettings            every process: Redis, the model, the database, auth, liveness
+├── ImageSettings         images: the gateway's image inputs, encode and language workers
+│   ├── GatewaySettings   `conveyor gateway`
+│   └── WorkerSettings    `conveyor worker`
+└── SupervisorSettings    `conveyor up` alone
+Settings                  all of them: what the `conveyor` command builds
 """
 
 from __future__ import annotations
@@ -15,7 +23,20 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.roles import Role
 
-__all__ = ["EngineKind", "Mode", "Role", "Settings"]
+__all__ = [
+    "SETTING_GROUPS",
+    "AuthMode",
+    "CommonSettings",
+    "EngineKind",
+    "GatewaySettings",
+    "ImageSettings",
+    "Mode",
+    "Role",
+    "Settings",
+    "SupervisorSettings",
+    "WorkerSettings",
+    "own_fields",
+]
 
 
 class Mode(StrEnum):
@@ -35,10 +56,11 @@ class AuthMode(StrEnum):
     """On when CONVEYOR_ADMIN_KEY is set, off otherwise."""
 
 
-class Settings(BaseSettings):
+class CommonSettings(BaseSettings):
+    """Read by every process (gateway, workers, `conveyor up`, the admin commands)."""
+
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
-    # --- where things are -------------------------------------------------
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis holding the job streams and reply streams. `conveyor up` starts "
@@ -60,43 +82,13 @@ class Settings(BaseSettings):
     embed_served_model_name: str | None = Field(
         None, description="Embedding model name clients send (default: the folder's name)."
     )
+    max_model_len: int | None = Field(
+        None, description="Context window (default: the model's max_position_embeddings)."
+    )
     data_dir: Path = Field(
         Path(".conveyor"),
         description="Folder for the demo model, the private Redis's files and logs.",
     )
-    # --- gateway -----------------------------------------------------------
-    host: str = Field("127.0.0.1", description="Gateway listen address.")
-    port: int = Field(8000, description="Gateway listen port.")
-    queue_max_depth: int = Field(
-        1024, description="Jobs queued or running per (model, stage) before 429."
-    )
-    request_timeout_s: float = Field(
-        600.0, description="Server-side deadline of a request (header X-Request-Timeout overrides)."
-    )
-    max_request_timeout_s: float = Field(
-        3600.0,
-        description="Longest deadline a request may ask for: a larger X-Request-Timeout (or "
-        "request_timeout_s) is cut to this.",
-    )
-    max_request_body_bytes: int = Field(
-        16 * 1024 * 1024,
-        description="Largest request body, checked while it is read (413 past it). Inline "
-        "(data: URL) images count: raise it to send images over ~12 MiB inline.",
-    )
-    max_messages: int = Field(2048, description="Messages one chat request may carry.")
-    sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
-    access_log: bool = Field(
-        False,
-        description="Log one line per HTTP request (uvicorn's access log). Off by default: "
-        "at thousands of requests per second it is the gateway's largest cost.",
-    )
-    admission_retry_s: float = Field(
-        5.0,
-        description="How long the gateway retries queueing a request while Redis is "
-        "unreachable (a restart takes about a second) before answering 503.",
-    )
-    idempotency_ttl_s: int = Field(3600, description="How long an Idempotency-Key is remembered.")
-    # --- control plane (SQL state, API keys, usage ledger) -------------------
     database_url: str | None = Field(
         None,
         description="SQLAlchemy URL of the state database (postgresql+asyncpg://user@host/db "
@@ -123,90 +115,6 @@ class Settings(BaseSettings):
         "metrics,admin",
         description="Scopes (comma-separated) any one of which lets a key read /metrics.",
     )
-    usage_retention_days: int = Field(
-        0, description="Delete usage ledger rows older than this many days (0: keep them all)."
-    )
-    # --- images (vision-language models) ------------------------------------
-    image_url_schemes: str = Field(
-        "http,https,data", description="Image URL schemes a request may use (comma-separated)."
-    )
-    image_private_networks: str = Field(
-        "",
-        description="Networks (CIDRs, comma-separated) image URLs may point into although "
-        "they are not public, e.g. an internal image store. Empty: public addresses only "
-        "(no loopback, private, link-local or metadata addresses), checked on every redirect.",
-    )
-    image_max_bytes: int = Field(20 * 1024 * 1024, description="Largest image, in bytes.")
-    image_max_pixels: int = Field(
-        4096 * 4096, description="Largest image, in pixels (width x height)."
-    )
-    image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
-    max_images_per_request: int = Field(8, description="Images one chat request may carry.")
-    encode: bool = Field(
-        False,
-        description="`conveyor up`: add an encode worker that turns images into embeddings "
-        "in front of the language workers (vision-language models).",
-    )
-    embedding_cache_mib: float = Field(
-        256.0,
-        description="Encode worker: bytes of image embeddings kept, keyed by image content.",
-    )
-    embedding_transport: str = Field(
-        "redis",
-        description="How an encode worker hands embeddings to the language worker: `redis` "
-        "(a key with a TTL) or a folder path every worker can read (shared storage).",
-    )
-    # --- workers -------------------------------------------------------------
-    role: Role = Field(Role.AGGREGATED, description="Worker role.")
-    engine: EngineKind = Field(EngineKind.VLLM, description="Inference engine (sglang: GPU only).")
-    mode: Mode = Field(
-        Mode.AGGREGATED,
-        description="`conveyor up`: aggregated workers, or prefill + decode workers with a KV "
-        "handoff between them.",
-    )
-    workers: int = Field(
-        1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
-    )
-    disagg_min_prompt_tokens: int = Field(
-        128,
-        description="Disaggregated mode: prompts shorter than this (one CPU KV block) skip the "
-        "prefill stage and go straight to a decode worker.",
-    )
-    kv_connector: str = Field(
-        "NixlConnector", description="vLLM KV connector for prefill/decode workers."
-    )
-    kv_side_channel_port: int | None = Field(
-        None, description="NIXL side-channel port of this worker (default: a free port)."
-    )
-    cpu_omp_threads_bind: str | None = Field(
-        None,
-        description="CPU engines: the cores (e.g. '1' or '1-3') of the model's threads "
-        "(default: prefill takes the lower half of this machine's cores, decode the upper "
-        "half, any other engine every core but the first, left to the event loops).",
-    )
-    cpu_engine_in_process: bool = Field(
-        True,
-        description="CPU engines other than prefill/decode: run the model inside vLLM's "
-        "engine-core process (no separate model-worker process to cross every step).",
-    )
-    pin_kv_engines: bool = Field(
-        True,
-        description="Pin every thread of a prefill/decode engine to its cores once started "
-        "(NIXL otherwise moves the model thread and starves the other engine).",
-    )
-    worker_max_slots: int = Field(
-        64, description="Concurrent requests a worker runs (continuous batching)."
-    )
-    job_read_block_ms: int = Field(
-        1000,
-        description="How long a worker's job read blocks when its queue is empty (at most "
-        "half the Redis socket timeout); it sees a stop at least this often.",
-    )
-    max_model_len: int | None = Field(
-        None, description="Context window (default: the model's max_position_embeddings)."
-    )
-    dtype: str = Field("auto", description="Engine dtype (auto, float32, bfloat16, ...).")
-    kv_cache_gib: float = Field(1.0, description="KV cache size per CPU worker, GiB.")
     heartbeat_ttl_s: float = Field(
         1.5,
         description="A worker not heard from for this long counts as dead (its jobs are "
@@ -217,33 +125,11 @@ class Settings(BaseSettings):
         description="A gateway's liveness key lives this long (rewritten every second); a "
         "worker aborts a gateway's requests once the key has been missing this long.",
     )
-    claim_idle_s: float = Field(
-        1.0,
-        description="A running job whose owner has not renewed its claim for this long is "
-        "reclaimed by another worker (owners renew every 0.5 s).",
-    )
     shutdown_grace_s: float = Field(
         30.0,
         description="On SIGTERM, how long in-flight requests may finish before the rest is "
         "handed back to the queue (and migrates).",
     )
-    max_deliveries: int = Field(
-        3, description="A job started this many times goes to the dead-letter stream."
-    )
-    migration_limit: int = Field(
-        3,
-        description="How many times a request may move to another worker mid-stream "
-        "(0 = never: a worker's death ends its streams with an error).",
-    )
-    canary_idle_s: float = Field(
-        10.0, description="Idle seconds before a worker checks its engine with a 1-token request."
-    )
-    json_any_whitespace: bool = Field(
-        False,
-        description="Let structured (JSON) output contain insignificant whitespace. Off: "
-        "compact JSON, which stops small models from emitting whitespace forever.",
-    )
-    # --- misc ----------------------------------------------------------------
     log_level: str = Field("INFO", description="Python log level.")
 
     def served_name(self) -> str:
@@ -293,3 +179,195 @@ class Settings(BaseSettings):
 
     def demo_model_path(self, kind: str = "llama") -> Path:
         return self.data_dir / ("demo-model" if kind == "llama" else f"demo-model-{kind}")
+
+
+class ImageSettings(CommonSettings):
+    """Images (vision-language models): the gateway's image inputs, the encode and language
+    workers, and `conveyor up --encode`."""
+
+    image_url_schemes: str = Field(
+        "http,https,data", description="Image URL schemes a request may use (comma-separated)."
+    )
+    image_private_networks: str = Field(
+        "",
+        description="Networks (CIDRs, comma-separated) image URLs may point into although "
+        "they are not public, e.g. an internal image store. Empty: public addresses only "
+        "(no loopback, private, link-local or metadata addresses), checked on every redirect.",
+    )
+    image_max_bytes: int = Field(20 * 1024 * 1024, description="Largest image, in bytes.")
+    image_max_pixels: int = Field(
+        4096 * 4096, description="Largest image, in pixels (width x height)."
+    )
+    image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
+    max_images_per_request: int = Field(8, description="Images one chat request may carry.")
+    encode: bool = Field(
+        False,
+        description="`conveyor up`: add an encode worker that turns images into embeddings "
+        "in front of the language workers (vision-language models).",
+    )
+    embedding_cache_mib: float = Field(
+        256.0,
+        description="Encode worker: bytes of image embeddings kept, keyed by image content.",
+    )
+    embedding_transport: str = Field(
+        "redis",
+        description="How an encode worker hands embeddings to the language worker: `redis` "
+        "(a key with a TTL) or a folder path every worker can read (shared storage).",
+    )
+
+
+class GatewaySettings(ImageSettings):
+    """`conveyor gateway`: the HTTP edge, admission, SSE and the usage ledger."""
+
+    host: str = Field("127.0.0.1", description="Gateway listen address.")
+    port: int = Field(8000, description="Gateway listen port.")
+    queue_max_depth: int = Field(
+        1024, description="Jobs queued or running per (model, stage) before 429."
+    )
+    request_timeout_s: float = Field(
+        600.0, description="Server-side deadline of a request (header X-Request-Timeout overrides)."
+    )
+    max_request_timeout_s: float = Field(
+        3600.0,
+        description="Longest deadline a request may ask for: a larger X-Request-Timeout (or "
+        "request_timeout_s) is cut to this.",
+    )
+    max_request_body_bytes: int = Field(
+        16 * 1024 * 1024,
+        description="Largest request body, checked while it is read (413 past it). Inline "
+        "(data: URL) images count: raise it to send images over ~12 MiB inline.",
+    )
+    max_messages: int = Field(2048, description="Messages one chat request may carry.")
+    sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
+    access_log: bool = Field(
+        False,
+        description="Log one line per HTTP request (uvicorn's access log). Off by default: "
+        "at thousands of requests per second it is the gateway's largest cost.",
+    )
+    admission_retry_s: float = Field(
+        5.0,
+        description="How long the gateway retries queueing a request while Redis is "
+        "unreachable (a restart takes about a second) before answering 503.",
+    )
+    idempotency_ttl_s: int = Field(3600, description="How long an Idempotency-Key is remembered.")
+    disagg_min_prompt_tokens: int = Field(
+        128,
+        description="Disaggregated mode: prompts shorter than this (one CPU KV block) skip the "
+        "prefill stage and go straight to a decode worker.",
+    )
+    usage_retention_days: int = Field(
+        0, description="Delete usage ledger rows older than this many days (0: keep them all)."
+    )
+
+
+class WorkerSettings(ImageSettings):
+    """`conveyor worker`: the engine, its placement on the CPU, and the worker runtime."""
+
+    role: Role = Field(Role.AGGREGATED, description="Worker role.")
+    engine: EngineKind = Field(EngineKind.VLLM, description="Inference engine (sglang: GPU only).")
+    kv_connector: str = Field(
+        "NixlConnector", description="vLLM KV connector for prefill/decode workers."
+    )
+    kv_side_channel_port: int | None = Field(
+        None, description="NIXL side-channel port of this worker (default: a free port)."
+    )
+    cpu_omp_threads_bind: str | None = Field(
+        None,
+        description="CPU engines: the cores (e.g. '1' or '1-3') of the model's threads "
+        "(default: prefill takes the lower half of this machine's cores, decode the upper "
+        "half, any other engine every core but the first, left to the event loops).",
+    )
+    cpu_engine_in_process: bool = Field(
+        True,
+        description="CPU engines: run the model inside vLLM's engine-core process (no "
+        "separate model-worker process to cross every step, or to busy-poll after it).",
+    )
+    pin_kv_engines: bool = Field(
+        True,
+        description="Pin every thread of a prefill/decode engine to its cores once started "
+        "(NIXL otherwise moves the model thread and starves the other engine).",
+    )
+    worker_max_slots: int = Field(
+        64, description="Concurrent requests a worker runs (continuous batching)."
+    )
+    job_read_block_ms: int = Field(
+        1000,
+        description="How long a worker's job read blocks when its queue is empty (at most "
+        "half the Redis socket timeout); it sees a stop at least this often.",
+    )
+    dtype: str = Field("auto", description="Engine dtype (auto, float32, bfloat16, ...).")
+    kv_cache_gib: float = Field(1.0, description="KV cache size per CPU worker, GiB.")
+    claim_idle_s: float = Field(
+        1.0,
+        description="A running job whose owner has not renewed its claim for this long is "
+        "reclaimed by another worker (owners renew every 0.5 s).",
+    )
+    max_deliveries: int = Field(
+        3, description="A job started this many times goes to the dead-letter stream."
+    )
+    migration_limit: int = Field(
+        3,
+        description="How many times a request may move to another worker mid-stream "
+        "(0 = never: a worker's death ends its streams with an error).",
+    )
+    canary_idle_s: float = Field(
+        10.0, description="Idle seconds before a worker checks its engine with a 1-token request."
+    )
+    json_any_whitespace: bool = Field(
+        False,
+        description="Let structured (JSON) output contain insignificant whitespace. Off: "
+        "compact JSON, which stops small models from emitting whitespace forever.",
+    )
+    enable_lora: bool = Field(
+        True,
+        description="vLLM aggregated workers: serve LoRA adapters (the registry's desired "
+        "state, shared/adapters.py). Off: every registered adapter is reported failed here.",
+    )
+    max_loras: int = Field(
+        4,
+        description="LoRA adapters that can run in the same engine step (vLLM's max_loras; "
+        "the engine gets one more slot, kept empty for base-model requests).",
+    )
+    max_lora_rank: int = Field(
+        16, description="Largest LoRA rank a worker loads (vLLM: 1, 8, 16, 32, 64, ...)."
+    )
+    max_cpu_loras: int = Field(
+        16,
+        description="LoRA adapters a worker keeps loaded; further registered adapters are "
+        "reported failed on it.",
+    )
+
+
+class SupervisorSettings(CommonSettings):
+    """What `conveyor up` alone reads: which workers it starts."""
+
+    mode: Mode = Field(
+        Mode.AGGREGATED,
+        description="`conveyor up`: aggregated workers, or prefill + decode workers with a KV "
+        "handoff between them.",
+    )
+    workers: int = Field(
+        1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
+    )
+
+
+class Settings(GatewaySettings, WorkerSettings, SupervisorSettings):
+    """Every setting: what the `conveyor` command reads (one CONVEYOR_* namespace, one
+    --help). A process passes each part the narrowest group it reads."""
+
+
+SETTING_GROUPS: tuple[tuple[str, type[CommonSettings]], ...] = (
+    ("common", CommonSettings),
+    ("gateway", GatewaySettings),
+    ("image", ImageSettings),
+    ("worker", WorkerSettings),
+    ("conveyor up", SupervisorSettings),
+)
+"""The groups in --help order, each with the fields it declares (:func:`own_fields`)."""
+
+
+def own_fields(group: type[CommonSettings]) -> list[str]:
+    """The fields ``group`` declares itself (not those of the group it extends)."""
+    parents = [base for base in group.__bases__ if issubclass(base, CommonSettings)]
+    inherited = {name for parent in parents for name in parent.model_fields}
+    return [name for name in group.model_fields if name not in inherited]

@@ -5,6 +5,9 @@ against the real Redis at ``CONVEYOR_TEST_REDIS_URL`` (default db 9, flushed
 before and after each test). The real run carries the ``redis`` marker. When the
 real server does not answer, the test is skipped locally and FAILS under CI
 (``CI=true``), so a CI job cannot silently lose its real-Redis coverage.
+
+``served_model`` is a tiny real tokenizer served as model ``tiny``
+(tests/support/tiny_model.py), for the gateway's unit and in-process tests.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -19,6 +23,10 @@ import redis
 import redis.asyncio as aioredis
 from fakeredis.aioredis import FakeRedis
 from redis.exceptions import RedisError
+
+from gateway.model_catalog import ServedModel
+from gateway.tokenizer import ModelTokenizer
+from tests.support.tiny_model import build_tokenizer_folder, tiny_served_model
 
 REAL_REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
@@ -84,3 +92,18 @@ async def redis_backend(redis_target: RedisTarget) -> AsyncIterator[aioredis.Red
             await client.flushdb()
         finally:
             await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_folder(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tokenizer_folder: Path) -> ModelTokenizer:
+    return ModelTokenizer(tokenizer_folder)
+
+
+@pytest.fixture(scope="session")
+def served_model(tokenizer_folder: Path, tiny_tokenizer: ModelTokenizer) -> ServedModel:
+    return tiny_served_model(tokenizer_folder, tiny_tokenizer)

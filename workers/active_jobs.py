@@ -80,12 +80,15 @@ class ActiveJobs:
 
 
 class Lifecycle:
-    """Whether the worker still takes jobs, and why it stopped."""
+    """Whether the worker still takes jobs, and why it stopped (or paused: an admin's
+    drain, undone by resume)."""
 
     def __init__(self, worker_id: str, jobs: ActiveJobs) -> None:
         self._worker_id = worker_id
         self._jobs = jobs
         self._stopping = asyncio.Event()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self.immediate = False
         """Stop without the grace period: hand every job back at once."""
         self.engine_dead = False
@@ -99,7 +102,24 @@ class Lifecycle:
         """Stop taking jobs; in-flight ones get the grace period unless ``immediate``."""
         self.immediate = self.immediate or immediate
         self._stopping.set()
+        self._unpaused.set()  # a paused consumer wakes up to see the stop
         self._jobs.wake()
+
+    @property
+    def paused(self) -> bool:
+        """Drained by an admin: takes no jobs (running ones finish) until resumed."""
+        return not self._unpaused.is_set() and not self.stopping
+
+    def pause(self) -> None:
+        if not self.stopping:
+            self._unpaused.clear()
+            self._jobs.wake()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    async def wait_unpaused(self) -> None:
+        await self._unpaused.wait()
 
     def engine_died(self) -> None:
         if not self.engine_dead:

@@ -8,7 +8,7 @@ journal scripts that fail, the timing of the loops, a table of recent cancels).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -18,9 +18,11 @@ from shared.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
 from shared.settings import Settings
 from workers.active_jobs import ActiveJobs, Lifecycle
+from workers.adapters import AdapterReconciler, AdapterTiming
 from workers.canary import Canary
 from workers.cancel_listener import CancelListener
 from workers.consumer import JobConsumer, JobReader
+from workers.control import WorkerControl
 from workers.health import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
 from workers.intake import Intake, IntakePolicy
 from workers.janitor import (
@@ -76,6 +78,7 @@ class Timing:
     orphan_check_s: float = ORPHAN_CHECK_INTERVAL_S
     health_check_s: float = HEALTH_CHECK_INTERVAL_S
     journal_retry_s: float = JOURNAL_RETRY_S
+    adapters: AdapterTiming = field(default_factory=AdapterTiming)
 
 
 def build_worker(
@@ -114,8 +117,13 @@ def build_worker(
         recent_cancels=recent,
         on_start=canary.note_activity,
     )
+    adapters = AdapterReconciler(redis=redis, model=model, role=role, adapters=parts.adapters,
+                                 off_reason=parts.adapters_off, streams=consumer,
+                                 timing=timing.adapters)
+    control = WorkerControl(redis, worker_id=worker_id, lifecycle=lifecycle, consumer=consumer,
+                            jobs=jobs, admin=parts.admin)
     status = WorkerStatus(worker_id=worker_id, role=role, parts=parts, jobs=jobs,
-                          lifecycle=lifecycle, canary=canary)
+                          lifecycle=lifecycle, canary=canary, adapters=adapters)
     thread = None if heartbeat_redis_url is None else HeartbeatThread(
         heartbeat_redis_url,
         keys.worker_heartbeat(worker_id),
@@ -135,7 +143,9 @@ def build_worker(
     )
     helpers = {
         "heartbeat": Heartbeat(registry, status, thread).run,
-        "control": CancelListener(redis, recent=recent, cancel_request=jobs.cancel_request).run,
+        "control": CancelListener(redis, recent=recent, cancel_request=jobs.cancel_request,
+                                  on_command=control.handle).run,
+        "adapters": adapters.run,
         "engine-monitor": EngineMonitor(parts.engine, interval_s=timing.health_check_s,
                                         on_dead=lifecycle.engine_died).run,
         "janitor": janitor.run,
@@ -150,4 +160,5 @@ def build_worker(
         registry=registry,
         helpers=helpers,
         shutdown_grace_s=policy.shutdown_grace_s,
+        startup=lambda: adapters.start(lambda: lifecycle.stopping),
     )

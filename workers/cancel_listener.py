@@ -1,4 +1,5 @@
-"""Client cancels: the control channel's :class:`CancelCommand` stops the request's jobs here.
+"""Client cancels: the control channel's :class:`CancelCommand` stops the request's jobs here
+(its :class:`WorkerCommand` messages, admin commands, go to :mod:`workers.control`).
 
 The gateway sets a cancel flag and publishes the command once. A job already
 running is cancelled (its engine request aborted); the request id is also kept
@@ -17,7 +18,7 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.errors import ProtocolError
-from shared.protocol import CancelCommand, decode_bytes
+from shared.protocol import CancelCommand, WorkerCommand, decode_bytes
 from shared.redis_conn import db_of
 from shared.retry import Backoff
 from workers.recent_cancels import RecentCancels
@@ -35,10 +36,12 @@ class CancelListener:
         *,
         recent: RecentCancels,
         cancel_request: Callable[[str], int],
+        on_command: Callable[[WorkerCommand], None] | None = None,
     ) -> None:
         self._redis = redis
         self._recent = recent
         self._cancel_request = cancel_request
+        self._on_command = on_command
 
     async def run(self) -> None:
         backoff = Backoff(RESUBSCRIBE_S, RESUBSCRIBE_S)
@@ -58,11 +61,16 @@ class CancelListener:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def handle(self, data: bytes) -> None:
-        """One control message: a cancel stops the request's jobs; anything else is ignored."""
+        """One control message: a cancel stops the request's jobs; an admin command goes to
+        ``on_command``; anything else is ignored."""
         try:
             command = decode_bytes(data)
         except ProtocolError as exc:
             log.error("bad control message: %s", exc)
+            return
+        if isinstance(command, WorkerCommand):
+            if self._on_command is not None:
+                self._on_command(command)
             return
         if not isinstance(command, CancelCommand):
             return

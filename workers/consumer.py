@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -38,10 +38,11 @@ START_RETRY_MAX_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class JobReader:
-    """This worker's reads of its role's job streams."""
+    """This worker's reads of its role's job streams (the model's, plus one per LoRA
+    adapter loaded here: :meth:`add` / :meth:`remove`; the janitor shares the list)."""
 
     queue: JobQueue
-    streams: Sequence[JobStream]
+    streams: list[JobStream]
     consumer: str
     block_ms: int
 
@@ -50,9 +51,21 @@ class JobReader:
             await self.queue.ensure_group(stream.name)
 
     async def read(self, count: int) -> list[Delivery]:
-        return await self.queue.read(
-            self.streams, self.consumer, count=count, block_ms=min(self.block_ms, MAX_BLOCK_MS)
-        )
+        block_ms = min(self.block_ms, MAX_BLOCK_MS)
+        if not self.streams:
+            await asyncio.sleep(block_ms / 1000)
+            return []
+        return await self.queue.read(self.streams, self.consumer, count=count, block_ms=block_ms)
+
+    async def add(self, stream: JobStream) -> None:
+        """Read ``stream`` too, from the next read on (its consumer group is created)."""
+        await self.queue.ensure_group(stream.name)
+        if stream not in self.streams:
+            self.streams.append(stream)
+
+    def remove(self, stream: JobStream) -> None:
+        if stream in self.streams:
+            self.streams.remove(stream)
 
 
 class JobConsumer:
@@ -76,6 +89,8 @@ class JobConsumer:
         self._new_run = new_run
         self._recent_cancels = recent_cancels
         self._on_start = on_start
+        self._reading = asyncio.Lock()
+        """Held from a read until its jobs are started (see :meth:`quiesce`)."""
 
     async def prepare(self) -> None:
         """Make sure the streams and their consumer group exist."""
@@ -87,17 +102,35 @@ class JobConsumer:
         log.info("worker %s reading %s", self._reader.consumer,
                  [stream.name for stream in self._reader.streams])
         while not self._lifecycle.stopping:
+            if self._lifecycle.paused:
+                await self._lifecycle.wait_unpaused()
+                continue
             free = self._jobs.free()
             if free <= 0:
                 await self._jobs.wait_for_slot()
                 continue
             try:
-                deliveries = await self._reader.read(free)
-                await self.start_all(deliveries)
+                async with self._reading:
+                    deliveries = await self._reader.read(free)
+                    await self.start_all(deliveries)
                 backoff.reset()
             except RedisError as exc:
                 log.warning("job read failed (%s); retrying", exc)
                 await backoff.wait()
+
+    async def quiesce(self) -> None:
+        """Return once every read begun before this call has had its jobs started: after a
+        pause or :meth:`remove_stream`, no job of an earlier read is still on its way."""
+        async with self._reading:
+            pass
+
+    async def add_stream(self, stream: JobStream) -> None:
+        await self._reader.add(stream)
+
+    async def remove_stream(self, stream: JobStream) -> None:
+        """Stop reading ``stream``; returns once no job read from it is still starting."""
+        self._reader.remove(stream)
+        await self.quiesce()
 
     async def start_all(self, deliveries: list[Delivery]) -> None:
         """Lease and start every delivery of one read, in one round trip for the batch.

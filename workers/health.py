@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
@@ -31,6 +32,15 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_INTERVAL_S = 2.0
 
 
+class AdapterReport(Protocol):
+    """The LoRA reconciler's report (:class:`workers.adapters.AdapterReconciler`)."""
+
+    generation: int
+    synced: bool
+
+    def report(self) -> dict[str, str]: ...
+
+
 class WorkerStatus:
     def __init__(
         self,
@@ -41,6 +51,7 @@ class WorkerStatus:
         jobs: ActiveJobs,
         lifecycle: Lifecycle,
         canary: Canary,
+        adapters: AdapterReport | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._role = role
@@ -48,10 +59,12 @@ class WorkerStatus:
         self._jobs = jobs
         self._lifecycle = lifecycle
         self._canary = canary
+        self._adapters = adapters
 
     def __call__(self) -> WorkerRegistration:
         engine = self._parts.engine
         stats = engine.prompt_stats
+        adapters = self._adapters
         return WorkerRegistration(
             worker_id=self._worker_id,
             role=self._role,
@@ -60,14 +73,18 @@ class WorkerStatus:
             active=len(self._jobs),
             engine_running=engine.running(),
             slots=self._jobs.max_slots,
-            draining=self._lifecycle.stopping,
-            ready=self._canary.healthy,
+            draining=self._lifecycle.stopping or self._lifecycle.paused,
+            paused=self._lifecycle.paused,
+            # Not ready before every registered adapter was loaded (or failed).
+            ready=self._canary.healthy and (adapters is None or adapters.synced),
             can_decode_alone=engine.info.can_decode_alone,
             prompt_tokens_computed=stats.computed,
             prompt_tokens_transferred=stats.transferred,
             kv_transfers=stats.kv_transfers,
             kv_transfer_s=round(stats.kv_transfer_s, 6),
             embedding_cache=self._parts.cache_stats(),
+            adapters={} if adapters is None else adapters.report(),
+            adapters_generation=0 if adapters is None else adapters.generation,
         )
 
 

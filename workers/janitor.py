@@ -79,7 +79,7 @@ class Reclaimer:
         self._start = start
 
     async def reclaim(self, free_slots: Callable[[], int]) -> None:
-        for stream in self._streams:
+        for stream in list(self._streams):  # adapters' streams come and go meanwhile
             free = free_slots()
             if free <= 0:
                 return
@@ -151,7 +151,8 @@ class Janitor:
                     hold_reclaim_until = time.monotonic() + self._timing.hold_after_stall_s
                     log.warning("Redis or this worker stalled; no reclaim for %.1fs while "
                                 "heartbeats resume", self._timing.hold_after_stall_s)
-                if not self._lifecycle.stopping and time.monotonic() >= hold_reclaim_until:
+                taking_jobs = not (self._lifecycle.stopping or self._lifecycle.paused)
+                if taking_jobs and time.monotonic() >= hold_reclaim_until:
                     await self._reclaimer.reclaim(self._jobs.free)
                 if time.monotonic() - last_orphan_check > self._timing.orphan_check_s:
                     last_orphan_check = time.monotonic()

@@ -1,7 +1,10 @@
 """The worker loop: consume -> run -> journal -> ack, and the way out.
 
-1. Read up to ``free slots`` jobs from the role's stream; the janitor adds jobs
-   reclaimed from dead workers (:mod:`workers.consumer`, :mod:`workers.janitor`).
+0. Before the first read: load every registered LoRA adapter (:mod:`workers.adapters`;
+   the worker reports ready only then).
+1. Read up to ``free slots`` jobs from the role's stream (and those of the adapters
+   loaded here); the janitor adds jobs reclaimed from dead workers
+   (:mod:`workers.consumer`, :mod:`workers.janitor`).
 2. Lease each read in one round trip and apply the intake checks
    (:mod:`workers.intake`): drop, fail cleanly, or run.
 3. Run the role's job run per job (:mod:`workers.roles`); the engine batches them
@@ -11,8 +14,9 @@
    registry. On a dead engine or a journal that gave up: hand back at once, exit 1.
 
 Beside the loop run the helpers :func:`workers.assembly.build_worker` wires in:
-heartbeat and engine monitor (:mod:`workers.health`), the cancel listener
-(:mod:`workers.cancel_listener`), the janitor and the idle canary.
+heartbeat and engine monitor (:mod:`workers.health`), the control listener
+(:mod:`workers.cancel_listener`: cancels, and admin commands for :mod:`workers.control`),
+the adapter reconciler, the janitor and the idle canary.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -53,6 +57,7 @@ class WorkerRuntime:
         registry: WorkerRegistry,
         helpers: Mapping[str, Helper],
         shutdown_grace_s: float,
+        startup: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self._consumer = consumer
@@ -62,6 +67,8 @@ class WorkerRuntime:
         self._registry = registry
         self._helpers = helpers
         self._shutdown_grace_s = shutdown_grace_s
+        self._startup = startup
+        """Runs after the helpers start and before the first read (adapters load)."""
 
     @property
     def engine_dead(self) -> bool:
@@ -77,6 +84,8 @@ class WorkerRuntime:
         journal.add_done_callback(self._lifecycle.journal_stopped)
         helpers = [asyncio.create_task(run(), name=name) for name, run in self._helpers.items()]
         try:
+            if self._startup is not None:
+                await self._startup()
             await self._consumer.run()
         finally:
             # Keep beating (as draining) until every job is finished or handed back:

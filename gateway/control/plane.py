@@ -24,7 +24,7 @@ from gateway.db.engine import Database, first_line, open_database
 from gateway.db.schema import SchemaStatus, schema_status, upgrade_to_head
 from gateway.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
 from gateway.ledger_retention import retention_loop
-from shared.settings import Settings
+from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ SCHEMA_CHECK_AT_HEAD_S = 30.0
 
 
 class ControlPlane:
-    def __init__(self, settings: Settings, redis: aioredis.Redis, gateway_id: str) -> None:
+    def __init__(
+        self, settings: GatewaySettings, redis: aioredis.Redis, gateway_id: str
+    ) -> None:
         self.settings = settings
         self.embedded = settings.database_is_embedded()
         self.database: Database = open_database(settings.database_url_or_default())

@@ -50,8 +50,8 @@ def pd(running: Running) -> Iterator[Disaggregated]:
     _REDIS_URL[:] = [stack.redis_url]
     _wait_for_roles(running, {"prefill", "decode"}, [prefill, decode])
     yield Disaggregated(url, prefill, decode)
-    # Idle NIXL engines keep UCX progress threads spinning: stop every P/D process here,
-    # replacements included, so later modules get the CPU back.
+    # Stop every P/D process here, replacements included, so later modules get the
+    # CPU and memory back.
     for process in (gateway, *reversed(_RESTARTED), decode, prefill):
         process.stop()
 
@@ -269,40 +269,46 @@ def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Runnin
     assert pd.decode.log_path.read_text().count("finished (length)") == decode_finishes
 
 
-def _tree_cpu_s(processes: list[psutil.Process]) -> float:
-    total = 0.0
+def _cpu_s(processes: list[psutil.Process]) -> dict[str, float]:
+    seconds = {}
     for process in processes:
         with contextlib.suppress(psutil.Error):
             times = process.cpu_times()
-            total += times.user + times.system
-    return total
+            seconds[f"{process.name()}[{process.pid}]"] = times.user + times.system
+    return seconds
 
 
-def _idle_cores(roots: list[Process], seconds: float) -> float:
-    """CPU of the workers' whole process trees (engine core and model worker included)."""
+def _idle_cores(roots: list[Process], seconds: float) -> tuple[float, dict[str, float]]:
+    """CPU of the workers' whole process trees (engine core and model worker included):
+    cores busy in all, and per process."""
     trees = []
     for root in roots:
         process = psutil.Process(root.popen.pid)
         trees += [process, *process.children(recursive=True)]
-    before, started = _tree_cpu_s(trees), time.monotonic()
+    before, started = _cpu_s(trees), time.monotonic()
     time.sleep(seconds)
-    return (_tree_cpu_s(trees) - before) / (time.monotonic() - started)
+    after, wall = _cpu_s(trees), time.monotonic() - started
+    each = {name: round((after[name] - before.get(name, 0.0)) / wall, 3) for name in after}
+    return sum(each.values()), each
 
 
 def test_idle_engines_do_not_spin(pd: Disaggregated, running: Running) -> None:
     """Idle prefill and decode workers leave the CPU alone. NIXL's UCX progress thread
-    used to busy-poll a core per engine forever (poll timeout 0), idle or not."""
+    used to busy-poll a core per engine forever (poll timeout 0), idle or not, and a
+    separate model-worker process spun for 1 s after every step (each idle canary)."""
     _complete(pd.base_url, PD_MODEL, [1, *range(3400, 3701)])  # a transfer: agents connected
     _eventually(lambda: _pd_idle(running), "both stages to be idle", timeout_s=60)
-    # vLLM's model worker spins for 1 s after each engine step, and an idle worker's
-    # canary makes a step every 10 s: one quiet 3-s window of several is enough.
+    # An idle worker's canary makes an engine step every 10 s (and with
+    # --cpu-engine-in-process off, vLLM's model worker then spins for 1 s): one quiet
+    # 3-s window of several is enough.
     samples = []
     for _ in range(5):
         time.sleep(1.5)
-        samples.append(_idle_cores([pd.prefill, pd.decode], 3.0))
-        if samples[-1] < 0.2:
+        cores, each = _idle_cores([pd.prefill, pd.decode], 3.0)
+        samples.append(round(cores, 3))
+        if cores < 0.2:
             return
-    raise AssertionError(f"idle P/D workers kept the CPU busy: {samples} cores")
+    raise AssertionError(f"idle P/D workers kept the CPU busy: {samples} cores; last: {each}")
 
 
 # ------------------------------------------------------------------- failures

@@ -5,33 +5,24 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-from pathlib import Path
 
 import fakeredis.aioredis
 import pytest
 from PIL import Image
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from gateway import translate
 from gateway.image_fetch import FetchPolicy, ImageFetcher
 from gateway.image_inputs import ImageInputs
 from gateway.model_catalog import ServedModel
+from gateway.plan import Deadline
 from gateway.schemas import ChatCompletionRequest
-from gateway.tokenizer import ModelTokenizer
 from shared import keys
 from shared.errors import InvalidRequest
 from shared.images import ImageLimits, check_image, content_hash, sniff_format
 from shared.media_store import ImageStore
+from shared.protocol import ImageRef
+from tests.support.tiny_model import build_vision_model
 from workers.engines.embedding_cache import EmbeddingCache
-
-VISION_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
-)
 
 
 def _image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 8), color: str = "red") -> bytes:
@@ -46,26 +37,7 @@ def _data_url(data: bytes, media: str = "image/png") -> str:
 
 @pytest.fixture(scope="module")
 def vision_model(tmp_path_factory: pytest.TempPathFactory) -> ServedModel:
-    folder: Path = tmp_path_factory.mktemp("vision-tokenizer")
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>", "<image>")],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(["describe this picture please", "user assistant"], trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": VISION_TEMPLATE}))
-    return ServedModel(
-        name="tiny-vl",
-        path=str(folder),
-        tokenizer=ModelTokenizer(folder),
-        max_model_len=512,
-        created_unix=0,
-        image_token_id=int(tokenizer.token_to_id("<image>")),
-    )
+    return build_vision_model(tmp_path_factory.mktemp("vision-tokenizer"))
 
 
 @pytest.fixture
@@ -75,7 +47,9 @@ def redis() -> fakeredis.aioredis.FakeRedis:
 
 @pytest.fixture
 def inputs(redis: fakeredis.aioredis.FakeRedis) -> ImageInputs:
-    policy = FetchPolicy(frozenset({"http", "https", "data"}), max_bytes=50_000, timeout_s=2.0)
+    policy = FetchPolicy(
+        frozenset({"http", "https", "data"}), max_bytes=50_000, timeout_s=2.0, private_networks=()
+    )
     return ImageInputs(ImageFetcher(policy), ImageStore(redis), ImageLimits(50_000, 256 * 256),
                        max_images=3)
 
@@ -85,6 +59,13 @@ def _request(*parts: dict[str, object]) -> ChatCompletionRequest:
         "model": "tiny-vl",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}],
     })
+
+
+async def collect(
+    inputs: ImageInputs, request: ChatCompletionRequest, model: ServedModel
+) -> tuple[ImageRef, ...]:
+    """What the serving step does: the cheap checks, then the fetch (30 s deadline)."""
+    return await inputs.load(inputs.parts(request, model), Deadline.after(30))
 
 
 def _image(url: str) -> dict[str, object]:
@@ -98,7 +79,7 @@ async def test_images_are_stored_once_by_content(
     # The same bytes under two URLs (two data: spellings) are one image.
     request = _request(_image(_data_url(png)), _image(_data_url(png, "image/x-png")),
                        _image(_data_url(_image_bytes(color="blue"))))
-    refs = await inputs.collect(request, vision_model, timeout_s=30)
+    refs = await collect(inputs, request, vision_model)
     assert [ref.digest for ref in refs][:2] == [content_hash(png)] * 2
     assert refs[2].digest != refs[0].digest
     assert await redis.get(keys.image(content_hash(png))) == png
@@ -127,7 +108,7 @@ async def test_bad_images_are_400s_naming_the_part(
 ) -> None:
     request = _request(_image(_data_url(_image_bytes())), part)
     with pytest.raises(InvalidRequest, match=reason) as caught:
-        await inputs.collect(request, vision_model, timeout_s=30)
+        await collect(inputs, request, vision_model)
     assert caught.value.status == 400
     assert caught.value.param == "messages[0].content[2]"
     assert await redis.keys("*") == []  # nothing stored, so nothing queued
@@ -136,14 +117,14 @@ async def test_bad_images_are_400s_naming_the_part(
 async def test_too_many_images(inputs: ImageInputs, vision_model: ServedModel) -> None:
     request = _request(*[_image(_data_url(_image_bytes())) for _ in range(4)])
     with pytest.raises(InvalidRequest, match="4 images in one request; the limit is 3"):
-        await inputs.collect(request, vision_model, timeout_s=30)
+        await collect(inputs, request, vision_model)
 
 
 async def test_text_only_model_refuses_images(inputs: ImageInputs,
                                               served_model: ServedModel) -> None:
     request = _request(_image(_data_url(_image_bytes())))
     with pytest.raises(InvalidRequest, match="text-only model") as caught:
-        await inputs.collect(request, served_model, timeout_s=30)
+        await collect(inputs, request, served_model)
     assert caught.value.param == "messages[0].content[1]"
 
 

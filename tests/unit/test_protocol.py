@@ -80,6 +80,7 @@ generate_jobs = st.builds(
         st.none() | st.booleans() | i64 | text | st.lists(small, max_size=3),
         max_size=4,
     ),
+    adapter=st.none() | text,
 )
 
 top_logprobs = st.builds(TopLogprob, token_id=small, token=text, logprob=floats)
@@ -124,6 +125,8 @@ error_events = st.builds(
     param=st.none() | text,
 )
 cancel_commands = st.builds(CancelCommand, request_id=text)
+worker_commands = st.builds(protocol.WorkerCommand, text, text, text, floats)
+worker_command_results = st.builds(protocol.WorkerCommandResult, text, text, text, text)
 embed_jobs = st.builds(
     protocol.EmbedJob,
     request_id=text,
@@ -147,6 +150,8 @@ STRATEGIES: dict[type, st.SearchStrategy[typing.Any]] = {
     CancelCommand: cancel_commands,
     protocol.EmbedJob: embed_jobs,
     protocol.EmbeddingEvent: embedding_events,
+    protocol.WorkerCommand: worker_commands,
+    protocol.WorkerCommandResult: worker_command_results,
 }
 messages = st.one_of(*STRATEGIES.values())
 

@@ -19,7 +19,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import ModelTokenizer
 from shared.errors import ChatTemplateError, ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateJob, SamplingOptions, decode, encode
-from tests.unit.conftest import MAX_MODEL_LEN, build_tokenizer_folder
+from tests.support.tiny_model import MAX_MODEL_LEN, build_tokenizer_folder
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:

@@ -87,6 +87,7 @@ class ProbeEngine(FakeEngine):
         *,
         handoff: Handoff | None = None,
         images: object = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         self.requests.append((job_id, list(prompt_token_ids), sampling))
         if self.hang:

@@ -103,6 +103,7 @@ class FakeEngine:
         """check_health raises EngineDead once this is set."""
         self.requests: list[tuple[str, list[int], SamplingOptions]] = []
         self.handoffs: list[Handoff | None] = []
+        self.adapters_used: list[str | None] = []
         self.started: list[str] = []
         self.completed: list[str] = []
         self.cancelled: list[str] = []
@@ -118,8 +119,10 @@ class FakeEngine:
         *,
         handoff: Handoff | None = None,
         images: object = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         self.requests.append((job_id, list(prompt_token_ids), sampling))
+        self.adapters_used.append(adapter)
         self.handoffs.append(handoff)
         self.started.append(job_id)
         self._running.add(job_id)

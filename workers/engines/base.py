@@ -20,8 +20,9 @@ host, port and room), so its decode side can start at once.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from shared.protocol import ImageRef, SamplingOptions, TokenLogprob
 
@@ -103,12 +104,15 @@ class GenerateEngine(EngineBase, Protocol):
         *,
         handoff: Handoff | None = None,
         images: PromptImages | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Stream the sequence's outputs; the last one has a ``finish_reason``.
 
         With ``handoff`` (decode role) the prompt's KV cache is fetched from the
-        prefill engine instead of computed. A sequence aborted with :meth:`abort`
-        (or whose consuming task is cancelled) ends with ``finish_reason="abort"``.
+        prefill engine instead of computed. With ``adapter`` the sequence runs with that
+        loaded LoRA adapter (:class:`EngineAdapters`; not loaded: ``ModelNotFound``). A
+        sequence aborted with :meth:`abort` (or whose consuming task is cancelled) ends
+        with ``finish_reason="abort"``.
         """
         ...
 
@@ -162,3 +166,80 @@ class EncodeEngine(EngineBase, Protocol):
 
     @property
     def encoding(self) -> ImageEncoder: ...
+
+
+# ---------------------------------------------------------------- LoRA adapters, admin
+
+
+class AdapterLoadError(Exception):
+    """An adapter could not be loaded; the message is the reason the worker reports.
+    The engine is unharmed (a load that would harm it is refused before it is tried)."""
+
+
+class NotSupported(Exception):
+    """The engine cannot do this at all; the message says why (an admin route's 501)."""
+
+
+class EngineAdapters(Protocol):
+    """LoRA adapters in an engine: load by name, run sequences with them, unload.
+
+    Only a loaded adapter's name may reach :meth:`GenerateEngine.generate`: a path is
+    checked and loaded by :meth:`load`, never first seen by a request.
+    """
+
+    @property
+    def max_active(self) -> int:
+        """Distinct adapters that may have sequences in the engine at once."""
+        ...
+
+    def loaded(self) -> list[str]: ...
+
+    async def load(self, name: str, path: str) -> None:
+        """Check and load the PEFT adapter at ``path`` as ``name``; raises
+        :class:`AdapterLoadError` with the reason. Loading a loaded name again reloads it."""
+        ...
+
+    async def unload(self, name: str) -> None:
+        """Refuse new sequences of ``name``, wait for its running ones, then unload it."""
+        ...
+
+    def running(self, name: str | None) -> AbstractAsyncContextManager[None]:
+        """Hold while one sequence of adapter ``name`` (None: the base model) is in the
+        engine: waits while :attr:`max_active` other adapters are running; raises
+        ``ModelNotFound`` for an adapter that is not loaded (or is being unloaded)."""
+        ...
+
+
+class EngineAdmin(Protocol):
+    """What an operator may ask of an engine (worker admin commands)."""
+
+    async def clear_kv(self) -> bool:
+        """Drop the prefix (KV) cache; False while the engine refuses (requests run)."""
+        ...
+
+    async def sleep(self) -> None:
+        """Release the engine's memory; raises :class:`NotSupported` with the reason."""
+        ...
+
+    async def wake(self) -> None:
+        """Undo :meth:`sleep`; raises :class:`NotSupported` with the reason."""
+        ...
+
+
+@runtime_checkable
+class ServesAdapters(Protocol):
+    """An engine that may serve LoRA adapters (``adapters`` is None when it is off)."""
+
+    @property
+    def adapters(self) -> EngineAdapters | None: ...
+
+    @property
+    def adapters_off(self) -> str:
+        """Why ``adapters`` is None (what the worker reports for every adapter)."""
+        ...
+
+
+@runtime_checkable
+class Administered(Protocol):
+    @property
+    def admin(self) -> EngineAdmin: ...

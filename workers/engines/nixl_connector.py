@@ -44,6 +44,6 @@ def _without_progress_thread(make_config: Any) -> Any:
     return agent_config
 
 
-_config = base_worker.nixl_agent_config  # None when the nixl package is missing
+_config = getattr(base_worker, "nixl_agent_config", None)  # None: no nixl package
 if _config is not None and not getattr(_config, "conveyor_patched", False):
-    base_worker.nixl_agent_config = _without_progress_thread(_config)
+    setattr(base_worker, "nixl_agent_config", _without_progress_thread(_config))  # noqa: B010

@@ -61,6 +61,7 @@ from shared.errors import (
     EngineDead,
     EngineError,
     InvalidRequest,
+    ModelNotFound,
 )
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Settings
@@ -336,7 +337,10 @@ class SglangEngine:
         *,
         handoff: Handoff | None = None,
         images: PromptImages | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
+        if adapter is not None:
+            raise ModelNotFound(f"this engine serves no LoRA adapters (asked for {adapter!r})")
         _text_only(images)
         bootstrap = self._bootstrap_for_generate(handoff)
         params = sampling_params(sampling)

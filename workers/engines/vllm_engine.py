@@ -23,6 +23,7 @@ from shared.cpu_cores import available_cores, cores_spec, engine_core_slices, pa
 from shared.errors import EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Role, Settings
+from workers.engines import vllm_lora
 from workers.engines.base import (
     EngineInfo,
     Handoff,
@@ -31,6 +32,7 @@ from workers.engines.base import (
     StepOutput,
 )
 from workers.engines.vision_encoder import to_vllm_input, vision_family
+from workers.engines.vllm_admin import VllmAdmin
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kv_transfer = _kv_transfer_config(settings)
-        if kv_transfer is None:
-            _place_engine(settings)
+        _place_engine(settings)  # prefill/decode too: see _place_engine
         pooling = settings.role is Role.EMBED
         args = AsyncEngineArgs(
             model=model_path,
@@ -63,6 +64,7 @@ class VllmEngine:
             # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
             disable_log_stats=kv_transfer is None,
             **_vision_args(model_path, settings),
+            **vllm_lora.engine_args(settings, model_path),
         )
         self.prompt_stats = PromptTokenStats()
         self._llm = AsyncLLM.from_engine_args(
@@ -74,6 +76,8 @@ class VllmEngine:
         config = self._llm.model_config
         self._vision_family = vision_family(model_path)
         self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
+        self.adapters, self.adapters_off = vllm_lora.attach(self._llm, settings, model_path)
+        self.admin = VllmAdmin(self._llm)
 
     async def generate(
         self,
@@ -83,40 +87,18 @@ class VllmEngine:
         *,
         handoff: Handoff | None = None,
         images: PromptImages | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
-        params = _sampling_params(sampling)
-        if handoff is not None:
-            params.extra_args = {"kv_transfer_params": handoff}
+        params = sampling_params(sampling, kv_transfer_params=handoff)
+        lora = vllm_lora.lora_request(self.adapters, adapter)
         with vllm_errors("generation"):
-            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
+            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id,
+                                        lora_request=lora)
             async for output in stream:
-                completion = output.outputs[0]
-                yield StepOutput(
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    logprobs=_logprobs(
-                        completion.logprobs, completion.token_ids, sampling.logprobs
-                    ),
-                    finish_reason=completion.finish_reason,
-                    prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
-                )
+                yield step_output(output, prompt_token_ids, sampling.logprobs)
 
     def _prompt(self, prompt_token_ids: list[int], images: PromptImages | None) -> Any:
-        """Token ids holding each image's single, unexpanded placeholder, plus the images:
-        vLLM expands the placeholders itself (expanded ids would be expanded again)."""
-        from vllm.inputs import TokensPrompt
-
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        if images is None:
-            return prompt
-        if self._vision_family is None:
-            raise InvalidRequest("this model does not take images")
-        if images.embeddings:
-            data = to_vllm_input(list(images.embeddings), self._vision_family)
-        else:
-            data = list(images.raw)
-        prompt["multi_modal_data"] = {"image": data}
-        return prompt
+        return tokens_prompt(prompt_token_ids, images, self._vision_family)
 
     def plan_handoff(self, job_id: str) -> Handoff | None:
         return None  # vLLM's kv_transfer_params exist only once prefill has run
@@ -131,8 +113,10 @@ class VllmEngine:
         images: PromptImages | None = None,
     ) -> Handoff:
         """Run the prompt with max_tokens=1 and keep its KV for a remote decode."""
-        params = _sampling_params(msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0))
-        params.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
+        params = sampling_params(
+            msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0),
+            kv_transfer_params={"do_remote_decode": True},
+        )
         result: Handoff | None = None
         with vllm_errors("prefill"):
             stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
@@ -255,11 +239,12 @@ def engine_cores(settings: Settings) -> list[int]:
     """The cores an engine's model threads keep to.
 
     Prefill takes the lower half, decode the upper: NIXL moves the model thread onto
-    the last core and its UCX progress thread spins; measured here, an unpinned pair
-    made each engine step ~100x slower and the first decode wait ~30 s for the
-    prefill's KV lease to expire. Any other engine takes every core but the first,
-    which stays free for the event loops beside it (this worker's, the gateway's,
-    Redis): a model thread that shares its core with them waits for them every step.
+    the last core (and its UCX progress thread spun then, see nixl_connector); measured
+    here, an unpinned pair made each engine step ~100x slower and the first decode wait
+    ~30 s for the prefill's KV lease to expire. Any other engine takes every core but
+    the first, which stays free for the event loops beside it (this worker's, the
+    gateway's, Redis): a model thread that shares its core with them waits for them
+    every step.
     """
     if settings.cpu_omp_threads_bind:
         return parse_cores(settings.cpu_omp_threads_bind)
@@ -276,7 +261,9 @@ def _place_engine(settings: Settings) -> None:
     unless ``cpu_engine_in_process`` is off.
 
     vLLM's CPU platform otherwise always adds a separate model-worker process beside the
-    engine core, and every step crosses between the two. In-process, vLLM does not bind
+    engine core, and every step crosses between the two; that process also busy-polls
+    its queue for 1 s after each step (vLLM's shm broadcast), so an idle prefill/decode
+    pair burned ~0.2 cores on its 10-s canaries alone. In-process, vLLM does not bind
     OpenMP threads itself, so the standard OpenMP variables do it (the engine core is
     spawned after this, and reads them when it starts).
     """
@@ -361,10 +348,55 @@ def vllm_errors(
         raise EngineError(f"{what} failed: {exc}") from exc
 
 
-def _sampling_params(options: SamplingOptions) -> Any:
-    """vLLM's SamplingParams; values it refuses are the request's fault (a 400), not a crash."""
+# ------------------------------------------------- request and output translation
+# Pure functions (vLLM's classes in, ours out, or the reverse), tested directly in
+# tests/unit/test_vllm_engine.py.
+
+
+def sampling_params(
+    options: SamplingOptions, *, kv_transfer_params: Handoff | None = None
+) -> Any:
+    """vLLM's SamplingParams for one sequence (DELTA outputs), with the KV connector's
+    ``kv_transfer_params`` when given; values vLLM refuses are the request's fault (a
+    400), not a crash."""
     with vllm_errors("sampling", invalid_prefix="invalid sampling parameters: "):
-        return _build_sampling_params(options)
+        params = _build_sampling_params(options)
+    if kv_transfer_params is not None:
+        params.extra_args = {"kv_transfer_params": kv_transfer_params}
+    return params
+
+
+def tokens_prompt(
+    prompt_token_ids: list[int], images: PromptImages | None, family: str | None
+) -> Any:
+    """vLLM's TokensPrompt: token ids holding each image's single, unexpanded placeholder,
+    plus the images (raw, or an encode worker's embeddings in the model ``family``'s
+    shape): vLLM expands the placeholders itself (expanded ids would be expanded again)."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+    if images is None:
+        return prompt
+    if family is None:
+        raise InvalidRequest("this model does not take images")
+    data: Any = list(images.raw)
+    if images.embeddings:
+        data = to_vllm_input(list(images.embeddings), family)
+    prompt["multi_modal_data"] = {"image": data}
+    return prompt
+
+
+def step_output(output: Any, prompt_token_ids: list[int], logprobs: int | None) -> StepOutput:
+    """One DELTA ``RequestOutput`` of a one-sequence request as a StepOutput; ``logprobs``
+    is the request's top-k (None: no logprobs wanted)."""
+    completion = output.outputs[0]
+    return StepOutput(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        logprobs=_logprobs(completion.logprobs, completion.token_ids, logprobs),
+        finish_reason=completion.finish_reason,
+        prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
+    )
 
 
 def _build_sampling_params(options: SamplingOptions) -> Any:

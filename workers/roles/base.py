@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError
 from shared.settings import Settings
-from workers.engines.base import EngineBase
+from workers.engines.base import EngineAdapters, EngineAdmin, EngineBase
 from workers.journal import RunJournal, RunLease
 
 
@@ -42,6 +42,9 @@ Probe = Callable[[str], Awaitable[None]]
 """The canary's request to the engine (its argument: a request id)."""
 
 
+NO_ADAPTERS = "this worker's engine serves no LoRA adapters"
+
+
 def no_stats() -> dict[str, int] | None:
     return None
 
@@ -54,6 +57,12 @@ class RoleParts:
     probe: Probe
     cache_stats: Callable[[], dict[str, int] | None] = no_stats
     """The registry entry's ``embedding_cache`` (encode workers)."""
+    adapters: EngineAdapters | None = None
+    """LoRA adapters (:mod:`workers.adapters` reconciles them to the desired state)."""
+    adapters_off: str = NO_ADAPTERS
+    """Why ``adapters`` is None: reported for every desired adapter."""
+    admin: EngineAdmin | None = None
+    """Clear KV, sleep, wake (worker admin commands: :mod:`workers.control`)."""
 
 
 @dataclass(frozen=True, slots=True)

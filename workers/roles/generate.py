@@ -9,21 +9,36 @@ the client sees every token exactly once (Dynamo's migration semantics).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import msgspec
 import redis.asyncio as aioredis
 
-from shared.errors import ConveyorError, DeadlineExceeded, EngineDead, InvalidRequest
+from shared.errors import (
+    ConveyorError,
+    DeadlineExceeded,
+    EngineDead,
+    InvalidRequest,
+    ModelNotFound,
+)
 from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
 from shared.settings import Settings
 from workers.canary import CANARY_PROMPT, CANARY_SAMPLING
-from workers.engines.base import GenerateEngine, PromptImages, StepOutput
+from workers.engines.base import (
+    Administered,
+    EngineAdapters,
+    GenerateEngine,
+    Handoff,
+    PromptImages,
+    ServesAdapters,
+    StepOutput,
+)
 from workers.engines.language import load_language_engine
 from workers.journal import RunJournal, RunLease
 from workers.prompt_images import PromptImageLoader
-from workers.roles.base import LoadedRole, Probe, RoleParts
+from workers.roles.base import NO_ADAPTERS, LoadedRole, Probe, RoleParts
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +79,14 @@ class SequenceRun:
         engine: GenerateEngine,
         journal: RunJournal,
         images: PromptImageLoader | None = None,
+        adapters: EngineAdapters | None = None,
     ) -> None:
         self.lease = lease
         self.job: GenerateJob = generate_job(lease)
         self._engine = engine
         self._journal = journal
         self._images = images
+        self._adapters = adapters
         self._completion_tokens = len(lease.emitted)
 
     async def run(self) -> None:
@@ -124,8 +141,28 @@ class SequenceRun:
         # A fresh decode fetches the prefilled KV; a resumed one recomputes its prompt.
         handoff = job.handoff if not self.lease.emitted else None
         images = await load_images(self._images, job)
+        async with self._adapter_slot():
+            return await self._stream(prompt, sampling, handoff, images)
+
+    def _adapter_slot(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """An adapter's sequence holds one of the engine's adapter slots while it runs."""
+        if self.job.adapter is None:
+            return contextlib.nullcontext()
+        if self._adapters is None:
+            raise ModelNotFound(f"this worker serves no LoRA adapters "
+                                f"(asked for {self.job.adapter!r})")
+        return self._adapters.running(self.job.adapter)
+
+    async def _stream(
+        self,
+        prompt: list[int],
+        sampling: SamplingOptions,
+        handoff: Handoff | None,
+        images: PromptImages | None,
+    ) -> tuple[str, int]:
+        job = self.job
         stream = self._engine.generate(job.job_id, prompt, sampling, handoff=handoff,
-                                       images=images)
+                                       images=images, adapter=job.adapter)
         async for step in stream:
             if step.token_ids or step.text:
                 self._completion_tokens += len(step.token_ids)
@@ -160,10 +197,16 @@ def probe(engine: GenerateEngine) -> Probe:
 
 
 def parts(engine: GenerateEngine, images: PromptImageLoader | None) -> RoleParts:
+    adapters, adapters_off = None, NO_ADAPTERS
+    if isinstance(engine, ServesAdapters):
+        adapters, adapters_off = engine.adapters, engine.adapters_off
     return RoleParts(
         engine=engine,
-        new_run=lambda lease, journal: SequenceRun(lease, engine, journal, images),
+        new_run=lambda lease, journal: SequenceRun(lease, engine, journal, images, adapters),
         probe=probe(engine),
+        adapters=adapters,
+        adapters_off=adapters_off,
+        admin=engine.admin if isinstance(engine, Administered) else None,
     )
 
 

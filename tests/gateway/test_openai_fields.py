@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from gateway.model_catalog import ServedModel
 from shared.protocol import GenerateJob, decode
-from tests.unit.gateway_app import (
+from tests.gateway.harness import (
     BODIES,
     CHAT,
     COMPLETIONS,

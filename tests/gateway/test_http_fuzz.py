@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.model_catalog import ServedModel
-from tests.unit.gateway_app import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, build_gateway
+from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, build_gateway
 
 FUZZ = settings(
     max_examples=300,

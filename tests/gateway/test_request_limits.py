@@ -16,8 +16,7 @@ from gateway.model_catalog import ServedModel
 from gateway.schemas import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from gateway.tokenizer import ModelTokenizer
 from shared.protocol import GenerateJob, decode
-from tests.unit.conftest import MAX_MODEL_LEN, SENTENCES
-from tests.unit.gateway_app import (
+from tests.gateway.harness import (
     BODIES,
     CHAT,
     COMPLETIONS,
@@ -28,6 +27,7 @@ from tests.unit.gateway_app import (
     error_of,
     passed_every_check,
 )
+from tests.support.tiny_model import MAX_MODEL_LEN, SENTENCES
 
 
 @pytest.fixture(scope="module")

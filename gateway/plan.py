@@ -1,0 +1,81 @@
+"""A request, planned once: the one value the serving step hands the dispatcher.
+
+The serving step (:mod:`gateway.serving`) reads the OpenAI request and builds a
+:class:`RequestPlan`: its id, model, sequences (``n`` choices per prompt, or one per
+embedding input), images, deadline and idempotency key. The dispatcher
+(:mod:`gateway.dispatch`) turns a plan into jobs of the internal protocol without
+looking at the OpenAI request again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from shared.protocol import ImageRef, SamplingOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When a request arrived and when it must be done: resolved once, from its timeout."""
+
+    created_unix: float
+    deadline_unix: float
+
+    @classmethod
+    def after(cls, timeout_s: float) -> Deadline:
+        now = time.time()
+        return cls(created_unix=now, deadline_unix=now + timeout_s)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.deadline_unix - self.created_unix
+
+    def remaining_s(self) -> float:
+        return self.deadline_unix - time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceSpec:
+    """One sequence to generate: the OpenAI choice index and its prompt."""
+
+    index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Chat and text completions: ``n`` choices per prompt, in OpenAI's choice order."""
+
+    choices: tuple[ChoiceSpec, ...]
+    images: tuple[ImageRef, ...]
+    """The prompt's images, in the order of its image placeholders."""
+
+    def longest_prompt(self) -> int:
+        return max(len(choice.prompt_token_ids) for choice in self.choices)
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """``/v1/embeddings``: one sequence per input."""
+
+    prompts: tuple[list[int], ...]
+    dimensions: int | None
+
+
+W = TypeVar("W", Generation, Embedding)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan(Generic[W]):
+    request_id: str
+    model: str
+    """The served model's name."""
+    work: W
+    deadline: Deadline
+    idempotency_key: str | None
+
+
+AnyPlan = RequestPlan[Generation] | RequestPlan[Embedding]

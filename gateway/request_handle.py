@@ -1,0 +1,107 @@
+"""One queued request inside the gateway: its events, in order, until every sequence ends.
+
+A :class:`RequestHandle` has one owner, who holds it in ``async with``: the SSE
+response for a stream, the serving step for one JSON body. Leaving that block is
+the one place a request ends on every path (finished, failed, client gone, stream
+cut): its route on the reply stream closes, and a request with unfinished sequences
+is cancelled on the workers (the dispatcher sends the cancel from a shielded task).
+Per-request accounting that must happen exactly once when a request ends (usage,
+a key's concurrency slot) belongs there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+
+from gateway.plan import Deadline
+from shared.errors import BackendUnavailable, DeadlineExceeded
+from shared.protocol import FINAL_EVENTS, Event
+from shared.reply_stream import StreamInterrupted
+
+log = logging.getLogger(__name__)
+
+
+class RequestHandle:
+    """Events of one request's sequences; leaving ``async with`` cancels what has not
+    finished."""
+
+    def __init__(
+        self,
+        request_id: str,
+        sequences: int,
+        queue: asyncio.Queue[Event | StreamInterrupted],
+        deadline: Deadline,
+        on_close: Callable[[bool], None],
+    ) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._unfinished = sequences
+        self._next_seq: dict[int, int] = {}
+        self.duplicates_dropped = 0
+        self._deadline = deadline
+        self._on_close = on_close
+        self._closed = False
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self._unfinished > 0)  # True: cancel what is still running
+
+    async def events(self, *, idle_timeout_s: float | None = None) -> AsyncIterator[Event | None]:
+        """Yields events until every sequence ended; ``None`` after ``idle_timeout_s`` of quiet."""
+        while self._unfinished > 0:
+            remaining = self._deadline.remaining_s()
+            if remaining <= 0:
+                raise DeadlineExceeded("the request timed out before the model finished")
+            wait = remaining if idle_timeout_s is None else min(idle_timeout_s, remaining)
+            try:
+                item = await self._next(wait)
+            except TimeoutError:
+                if self._deadline.remaining_s() <= 0:
+                    raise DeadlineExceeded(
+                        "the request timed out before the model finished"
+                    ) from None
+                yield None
+                continue
+            if isinstance(item, StreamInterrupted):
+                raise BackendUnavailable(item.reason)
+            if not self._in_order(item):
+                continue
+            if isinstance(item, FINAL_EVENTS):
+                self._unfinished -= 1
+            yield item
+
+    async def _next(self, wait_s: float) -> Event | StreamInterrupted:
+        try:
+            return self._queue.get_nowait()  # the common case under load: no timer, no task
+        except asyncio.QueueEmpty:
+            # A timeout scope, not wait_for: no task per event while a stream waits.
+            async with asyncio.timeout(wait_s):
+                return await self._queue.get()
+
+    def has_buffered(self) -> bool:
+        """Events already arrived and not yet yielded (a writer can batch them)."""
+        return not self._queue.empty()
+
+    def _in_order(self, event: Event) -> bool:
+        """Drop repeats (seq already seen for this choice); note gaps."""
+        expected = self._next_seq.get(event.index, 0)
+        if event.seq < expected:
+            self.duplicates_dropped += 1
+            return False
+        if event.seq > expected:
+            log.warning("%s choice %d: seq gap %d..%d", self.request_id, event.index,
+                        expected, event.seq - 1)
+        self._next_seq[event.index] = event.seq + 1
+        return True

@@ -1,0 +1,269 @@
+"""What a client receives for what the workers send: SSE and JSON bodies, n choices and
+usage, repeated and missing seq numbers, errors mid-stream, keep-alive, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import struct
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+from shared import keys
+from shared.errors import EngineError, InvalidRequest
+from shared.protocol import Event, Job
+from tests.gateway.fake_worker import error, finish, silent, token
+from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, LiveGateway, error_of
+from tests.gateway.sse import DONE, SseEvent, content, events, parse_sse
+
+STREAM: dict[str, Any] = {"stream": True}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {**BODIES[CHAT], **fields}
+
+
+# ---------------------------------------------------------------------- the plain path
+
+
+async def test_chat_non_stream_collects_every_token(gateway: LiveGateway) -> None:
+    response = await gateway.client.post(CHAT, json=chat(max_tokens=4))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert response.headers["X-Request-Id"] == body["id"]
+    assert body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "c0-0 c0-1 c0-2 c0-3 "}
+    assert choice["finish_reason"] == "length"
+    [job] = gateway.workers[0].generate_jobs()
+    prompt = len(job.prompt_token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 4,
+        "total_tokens": prompt + 4,
+    }
+
+
+async def test_chat_stream_is_openai_sse_with_event_ids(gateway: LiveGateway) -> None:
+    response = await gateway.client.post(CHAT, json=chat(max_tokens=3, **STREAM))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    items = events(response.text)
+    role, *deltas, last, done = items
+    assert role.id is None
+    assert role.data["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [d.id for d in deltas] == ["0", "1", "2"]
+    assert [d.data["choices"][0]["delta"]["content"] for d in deltas] == ["c0-0 ", "c0-1 ", "c0-2 "]
+    assert last.id == "3"
+    assert last.data["choices"][0]["finish_reason"] == "length"
+    assert done == SseEvent(None, DONE)
+    assert {item.data["id"] for item in items[:-1]} == {response.headers["X-Request-Id"]}
+
+
+async def test_n_prompts_times_n_choices_with_usage_counting_each_prompt_once(
+    gateway: LiveGateway,
+) -> None:
+    body = {
+        **BODIES[COMPLETIONS],
+        "prompt": ["hello", "hello world"],
+        "n": 2,
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = await gateway.client.post(COMPLETIONS, json=body)
+    items = events(response.text)
+    *chunks, usage_chunk, done = items
+    assert done.data == DONE
+    assert all(chunk.data["usage"] is None for chunk in chunks)
+    assert {chunk.id for chunk in chunks} == {f"{i}-{seq}" for i in range(4) for seq in range(3)}
+    for index in range(4):
+        assert content(response.text, index) == f"c{index}-0 c{index}-1 "
+    jobs = sorted(gateway.workers[0].generate_jobs(), key=lambda job: job.index)
+    assert [job.index for job in jobs] == [0, 1, 2, 3]
+    prompt_tokens = len(jobs[0].prompt_token_ids) + len(jobs[2].prompt_token_ids)
+    assert usage_chunk.data["choices"] == []
+    assert usage_chunk.data["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 8,
+        "total_tokens": prompt_tokens + 8,
+    }
+
+
+async def test_n_choices_non_stream_come_in_index_order(gateway: LiveGateway) -> None:
+    response = await gateway.client.post(CHAT, json=chat(n=3, max_tokens=1, temperature=1.0))
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["message"]["content"] for c in choices] == ["c0-0 ", "c1-0 ", "c2-0 "]
+
+
+# ------------------------------------------------------------------- seq bookkeeping
+
+
+async def replayed(job: Job) -> AsyncIterator[Sequence[Event]]:
+    """Every batch sent twice, as a retried journal write would."""
+    first = [token(job, 0, "a "), token(job, 1, "b ")]
+    yield first
+    yield first
+    yield [token(job, 1, "b "), token(job, 2, "c ")]
+    yield [finish(job, 3, 3)]
+    yield [finish(job, 3, 3)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_repeated_seqs_reach_the_client_once(gateway: LiveGateway, stream: bool) -> None:
+    gateway.workers[0].script = replayed
+    response = await gateway.client.post(CHAT, json=chat(stream=stream))
+    if not stream:
+        assert response.json()["choices"][0]["message"]["content"] == "a b c "
+        return
+    assert content(response.text) == "a b c "
+    assert [item.id for item in events(response.text) if item.id] == ["0", "1", "2", "3"]
+
+
+async def gap_then_late(job: Job) -> AsyncIterator[Sequence[Event]]:
+    yield [token(job, 0, "a ")]
+    yield [token(job, 2, "c ")]  # seq 1 never came: passed on, and noted
+    yield [token(job, 1, "b ")]  # older than what was sent: dropped
+    yield [finish(job, 3, 3)]
+
+
+async def test_a_gap_is_passed_on_and_a_late_seq_dropped(
+    gateway: LiveGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway.workers[0].script = gap_then_late
+    with caplog.at_level(logging.WARNING, logger="gateway.request_handle"):
+        response = await gateway.client.post(CHAT, json=chat(stream=True))
+    assert content(response.text) == "a c "
+    assert [item.id for item in events(response.text) if item.id] == ["0", "2", "3"]
+    assert "seq gap 1..1" in caplog.text
+
+
+# -------------------------------------------------------------------- errors and time
+
+
+def failing(exc: InvalidRequest | EngineError) -> Any:
+    async def script(job: Job) -> AsyncIterator[Sequence[Event]]:
+        yield [token(job, 0, "a "), token(job, 1, "b ")]
+        yield [error(job, 2, exc)]
+
+    return script
+
+
+async def test_an_error_mid_stream_is_an_openai_error_event_then_done(
+    gateway: LiveGateway,
+) -> None:
+    gateway.workers[0].script = failing(EngineError("the engine fell over"))
+    response = await gateway.client.post(CHAT, json=chat(**STREAM))
+    assert response.status_code == 200
+    *_, failure, done = events(response.text)
+    assert content(response.text) == "a b "
+    assert failure.id == "2"
+    assert failure.data == {
+        "error": {
+            "message": "the engine fell over",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
+    assert done.data == DONE
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [(EngineError("the engine fell over"), 500), (InvalidRequest("bad schema", param="x"), 400)],
+)
+async def test_a_workers_error_is_the_status_of_a_json_answer(
+    gateway: LiveGateway, exc: InvalidRequest | EngineError, status: int
+) -> None:
+    gateway.workers[0].script = failing(exc)
+    error = error_of(await gateway.client.post(CHAT, json=chat()), status)
+    assert (error["message"], error["code"], error["param"]) == (exc.message, exc.code, exc.param)
+
+
+async def quiet_between(job: Job) -> AsyncIterator[Sequence[Event]]:
+    yield [token(job, 0, "a ")]
+    await asyncio.sleep(0.3)
+    yield [token(job, 1, "b "), finish(job, 2, 2)]
+
+
+async def test_keepalive_comments_fill_a_quiet_stream(gateway: LiveGateway) -> None:
+    gateway.workers[0].script = quiet_between
+    response = await gateway.client.post(CHAT, json=chat(**STREAM))
+    items = parse_sse(response.text)
+    first = items.index(next(item for item in items if isinstance(item, SseEvent) and item.id))
+    after = items[first + 1 :]
+    quiet = after[: after.index(next(item for item in after if isinstance(item, SseEvent)))]
+    assert len(quiet) >= 2, response.text  # 0.3 s of quiet, a comment every 0.05 s
+    assert set(quiet) == {": keep-alive"}
+    assert content(response.text) == "a b "
+
+
+async def test_a_silent_worker_ends_in_a_504_and_a_cancel(gateway: LiveGateway) -> None:
+    gateway.workers[0].script = silent
+    response = await gateway.client.post(CHAT, json=chat(), headers={"X-Request-Timeout": "0.2"})
+    assert error_of(response, 504)["code"] == "deadline_exceeded"
+    [job] = gateway.workers[0].generate_jobs()
+    assert job.deadline_unix - job.created_unix == pytest.approx(0.2)
+    await gateway.state.dispatcher.wait_background()
+    assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
+
+
+async def test_a_silent_worker_ends_a_stream_with_a_timeout_event(gateway: LiveGateway) -> None:
+    gateway.workers[0].script = silent
+    response = await gateway.client.post(
+        CHAT, json=chat(**STREAM), headers={"X-Request-Timeout": "0.2"}
+    )
+    assert response.status_code == 200  # the headers went out before the deadline
+    role, failure, done = events(response.text)
+    assert role.data["choices"][0]["delta"]["role"] == "assistant"
+    assert failure.data["error"]["code"] == "deadline_exceeded"
+    assert failure.data["error"]["type"] == "timeout"
+    assert done.data == DONE
+
+
+async def test_losing_the_reply_stream_ends_a_stream_with_a_503_event(
+    gateway: LiveGateway,
+) -> None:
+    gateway.workers[0].script = silent
+    async with gateway.call(CHAT, chat(**STREAM)) as call:
+        assert await call.start() == 200
+        await call.read_until(": keep-alive")  # the job is queued; nothing came back yet
+        gateway.state.router.interrupt_all("lost contact with Redis for 9s; retry")
+        *_, failure, done = events(await call.read_all())
+    assert failure.data["error"]["code"] == "backend_unavailable"
+    assert "lost contact with Redis" in failure.data["error"]["message"]
+    assert done.data == DONE
+
+
+# ------------------------------------------------------------------------- embeddings
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+async def test_embeddings_in_input_order(gateway: LiveGateway, encoding: str) -> None:
+    inputs = [[5], [5, 6], [5, 6, 7]]
+    body = {**BODIES[EMBEDDINGS], "input": inputs, "encoding_format": encoding}
+    response = await gateway.client.post(EMBEDDINGS, json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert response.headers["X-Request-Id"].startswith("embd-")
+    vectors = [item["embedding"] for item in answer["data"]]
+    if encoding == "base64":
+        vectors = [list(struct.unpack("<2f", base64.b64decode(v))) for v in vectors]
+    assert [item["index"] for item in answer["data"]] == [0, 1, 2]
+    assert vectors == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]  # the echo: [index, prompt length]
+    assert answer["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+
+
+async def test_an_embedding_error_is_the_answers_status(gateway: LiveGateway) -> None:
+    async def refuse(job: Job) -> AsyncIterator[Sequence[Event]]:
+        yield [error(job, 0, InvalidRequest("dimensions not supported", param="dimensions"))]
+
+    gateway.workers[1].script = refuse
+    response = await gateway.client.post(EMBEDDINGS, json={**BODIES[EMBEDDINGS], "dimensions": 2})
+    assert error_of(response, 400)["param"] == "dimensions"
