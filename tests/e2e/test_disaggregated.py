@@ -243,32 +243,6 @@ def _pd_idle(running: Running) -> bool:
     return bool(workers) and idle and queues_empty
 
 
-def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Running) -> None:
-    """A burst of long prompts whose clients leave at once: prefills still running are
-    aborted in the prefill engine, handed-off ones are dropped or aborted in decode,
-    and nothing is left in either stage long before the work could have finished."""
-    prefill_aborts = pd.prefill.log_path.read_text().count("client disconnected")
-    decode_finishes = pd.decode.log_path.read_text().count("finished (length)")
-    # 1,201-token prompts that share no prefix, so each prefill is real work; 800
-    # tokens each would keep decode busy for several seconds.
-    prompts = [[1, 10 + k, *range(100, 1299)] for k in range(24)]
-
-    def leave_early(prompt: list[int]) -> None:
-        body = {"model": PD_MODEL, "prompt": prompt, "max_tokens": 800, "ignore_eos": True}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=0.3)
-
-    clients = [threading.Thread(target=leave_early, args=(p,)) for p in prompts]
-    for client in clients:
-        client.start()
-    for client in clients:
-        client.join(60)
-    _eventually(lambda: _pd_idle(running), "both stages to be empty", timeout_s=6)
-    prefill_log = pd.prefill.log_path.read_text()
-    assert prefill_log.count("client disconnected") > prefill_aborts, prefill_log[-3000:]
-    assert pd.decode.log_path.read_text().count("finished (length)") == decode_finishes
-
-
 def _cpu_s(processes: list[psutil.Process]) -> dict[str, float]:
     seconds = {}
     for process in processes:
@@ -300,15 +274,43 @@ def test_idle_engines_do_not_spin(pd: Disaggregated, running: Running) -> None:
     _eventually(lambda: _pd_idle(running), "both stages to be idle", timeout_s=60)
     # An idle worker's canary makes an engine step every 10 s (and with
     # --cpu-engine-in-process off, vLLM's model worker then spins for 1 s): one quiet
-    # 3-s window of several is enough.
+    # 3-s window of several is enough. (This runs before the disconnect test: a prefill
+    # engine keeps stepping while it holds KV for a handoff decode dropped, until the
+    # 30-s KV lease expires.)
     samples = []
-    for _ in range(5):
+    for _ in range(8):
         time.sleep(1.5)
         cores, each = _idle_cores([pd.prefill, pd.decode], 3.0)
         samples.append(round(cores, 3))
         if cores < 0.2:
             return
     raise AssertionError(f"idle P/D workers kept the CPU busy: {samples} cores; last: {each}")
+
+
+def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Running) -> None:
+    """A burst of long prompts whose clients leave at once: prefills still running are
+    aborted in the prefill engine, handed-off ones are dropped or aborted in decode,
+    and nothing is left in either stage long before the work could have finished."""
+    prefill_aborts = pd.prefill.log_path.read_text().count("client disconnected")
+    decode_finishes = pd.decode.log_path.read_text().count("finished (length)")
+    # 1,201-token prompts that share no prefix, so each prefill is real work; 800
+    # tokens each would keep decode busy for several seconds.
+    prompts = [[1, 10 + k, *range(100, 1299)] for k in range(24)]
+
+    def leave_early(prompt: list[int]) -> None:
+        body = {"model": PD_MODEL, "prompt": prompt, "max_tokens": 800, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=0.3)
+
+    clients = [threading.Thread(target=leave_early, args=(p,)) for p in prompts]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(60)
+    _eventually(lambda: _pd_idle(running), "both stages to be empty", timeout_s=6)
+    prefill_log = pd.prefill.log_path.read_text()
+    assert prefill_log.count("client disconnected") > prefill_aborts, prefill_log[-3000:]
+    assert pd.decode.log_path.read_text().count("finished (length)") == decode_finishes
 
 
 # ------------------------------------------------------------------- failures
