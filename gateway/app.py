@@ -55,12 +55,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             asyncio.create_task(state.router.run(), name="reply-router"),
             asyncio.create_task(state.directory.run(), name="worker-directory"),
             asyncio.create_task(
-                keep_gateway_alive(
-                    state.redis, state.gateway_id, settings.gateway_liveness_ttl_s
-                ),
+                keep_gateway_alive(state.redis, state.gateway_id, settings.gateway_liveness_ttl_s),
                 name="gateway-liveness",
             ),
             asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
+            asyncio.create_task(state.dispatcher.renew_limit_leases(), name="limit-leases"),
         ]
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
         try:

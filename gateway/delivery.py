@@ -38,6 +38,7 @@ class EventStreamResponse(StreamingResponse):
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
                 "X-Request-Id": handle.request_id,
+                **handle.headers,
             },
         )
         self._handle = handle

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,14 +27,29 @@ from gateway.plan import AnyPlan, Embedding, Generation
 from gateway.request_handle import RequestHandle
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
-from shared.errors import BackendUnavailable, IdempotencyConflict, NoLiveWorker, Overloaded
+from shared.errors import (
+    BackendUnavailable,
+    IdempotencyConflict,
+    KeyRateLimited,
+    NoLiveWorker,
+    Overloaded,
+    QuotaExceeded,
+)
 from shared.job_queue import Admission, AdmissionResult, JobQueue
+from shared.key_limits import (
+    CONCURRENCY_LEASE_S,
+    KeyLimitCounters,
+    LimitCharge,
+    LimitKind,
+    LimitUsage,
+)
 from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
 from shared.redis_conn import db_of
 from shared.reply_stream import ReplyRouter
 from shared.retry import Backoff, retry
 from shared.roles import Role
 from shared.settings import GatewaySettings
+from shared.usage import UsageRecord, record_usage
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +87,20 @@ class Dispatcher:
         self._directory = directory
         self._policy = policy
         self._background: set[asyncio.Task[None]] = set()
+        self._limits = KeyLimitCounters(redis)
+        self._open_charges: dict[str, LimitCharge] = {}
         self.drain = DrainMeter(redis)
 
-    async def _admit(
-        self, stream: str, jobs: Sequence[Job], idempotency_key: str | None
-    ) -> AdmissionResult:
+    async def _admit(self, stream: str, jobs: Sequence[Job], plan: AnyPlan) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
         return await retry(
             lambda: self._queue.submit(
                 stream,
                 jobs,
                 max_depth=self._policy.queue_max_depth,
-                idempotency_key=idempotency_key,
+                idempotency_key=plan.idempotency_key,
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
+                charge=plan.charge,
             ),
             for_s=self._policy.admission_retry_s,
             backoff=Backoff(first_s=0.1, max_s=1.0),
@@ -161,32 +179,84 @@ class Dispatcher:
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(stream, jobs, plan.idempotency_key)
+            result = await self._admit(stream, jobs, plan)
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
+        headers = result.usage.headers() if result.usage is not None else {}
         if result.outcome is not Admission.QUEUED:
             self._router.close(request_id)
+            if result.outcome is Admission.LIMITED and result.usage is not None:
+                raise key_limit_error(result.usage, LimitKind(result.detail))
             retry_after = 1
             if result.outcome is Admission.FULL:
                 excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
                 retry_after = self.drain.retry_after_s(stream, excess)
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
-        return RequestHandle(
+        if plan.charge is not None:
+            self._open_charges[request_id] = plan.charge
+        handle = RequestHandle(
             request_id,
             len(jobs),
             events,
             plan.deadline,
-            on_close=lambda cancel: self.close(request_id, cancel=cancel),
+            on_close=lambda cancel: self._finish(plan, handle, cancel=cancel),
+            headers=headers,
         )
+        if isinstance(plan.work, Generation):
+            handle.tally.choices_per_prompt = plan.work.choices_per_prompt
+        return handle
+
+    def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
+        """The request ended (its handle's owner left): close its route, cancel what still
+        runs, settle its key's limits and write its usage row (in the background)."""
+        self.close(plan.request_id, cancel=cancel)
+        self._open_charges.pop(plan.request_id, None)
+        record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
+        used = handle.tally.used_tokens()
+        self._in_background(self._account(plan, record, used))
+
+    async def _account(self, plan: AnyPlan, record: UsageRecord, used_tokens: int) -> None:
+        async def write() -> None:
+            if plan.charge is not None:
+                await self._limits.settle(plan.charge, used_tokens)
+            await record_usage(self._redis, record)
+
+        try:
+            await retry(
+                write,
+                for_s=30.0,
+                backoff=Backoff(first_s=0.1, max_s=1.0),
+                what=f"usage of {plan.request_id}",
+            )
+        except RedisError as exc:
+            log.error("usage of %s not recorded: %s", plan.request_id, exc)
+
+    async def renew_limit_leases(self, interval_s: float = CONCURRENCY_LEASE_S / 3) -> None:
+        """Keep this gateway's open requests in their keys' concurrency sets."""
+        while True:
+            await asyncio.sleep(interval_s)
+            by_key: dict[str, list[str]] = {}
+            for request_id, charge in list(self._open_charges.items()):
+                by_key.setdefault(charge.key_id, []).append(request_id)
+            try:
+                for key_id, request_ids in by_key.items():
+                    await self._limits.renew(key_id, request_ids, time.time())
+            except RedisError as exc:
+                log.warning("could not renew concurrency leases: %s", exc)
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)
         if cancel:
-            task = asyncio.get_running_loop().create_task(self._send_cancel(request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._send_cancel(request_id))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in its own task: it survives the caller's cancellation (a client
+        disconnect), and the lifespan waits for it at shutdown."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _send_cancel(self, request_id: str, *, retry_for_s: float = 30.0) -> None:
         async def send() -> None:
@@ -199,8 +269,12 @@ class Dispatcher:
                 await pipe.execute()
 
         try:
-            await retry(send, for_s=retry_for_s, backoff=Backoff(first_s=0.5, max_s=0.5),
-                        what=f"cancel of {request_id}")
+            await retry(
+                send,
+                for_s=retry_for_s,
+                backoff=Backoff(first_s=0.5, max_s=0.5),
+                what=f"cancel of {request_id}",
+            )
         except RedisError as exc:
             log.warning("could not send cancel for %s: %s", request_id, exc)
             return
@@ -209,6 +283,34 @@ class Dispatcher:
     async def wait_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def key_limit_error(usage: LimitUsage, kind: LimitKind) -> KeyRateLimited | QuotaExceeded:
+    """The 429 for a key over one of its limits, with OpenAI's headers."""
+    limits, retry_after = usage.charge.limits, usage.retry_after_s(kind)
+    headers = usage.headers()
+    if kind is LimitKind.BUDGET:
+        return QuotaExceeded(
+            f"This API key has used its token budget for this {limits.budget_period} "
+            f"({usage.budget_used} of {limits.budget_tokens} tokens; this request needs up "
+            f"to {usage.charge.cost_tokens}). It renews in {retry_after}s.",
+            retry_after_s=retry_after,
+            headers=headers,
+        )
+    described = {
+        LimitKind.REQUESTS: f"requests per minute (RPM): limit {limits.rpm}, used {usage.requests}",
+        LimitKind.TOKENS: f"tokens per minute (TPM): limit {limits.tpm}, used {usage.tokens}, "
+        f"requested {usage.charge.cost_tokens} (prompt + max_tokens x choices)",
+        LimitKind.CONCURRENCY: f"concurrent requests: limit {limits.max_concurrent}, "
+        f"open {usage.concurrent}",
+    }[kind]
+    limit = "tokens" if kind is LimitKind.TOKENS else "requests"
+    return KeyRateLimited(
+        f"Rate limit reached for this API key on {described}. Retry in {retry_after}s.",
+        limit=limit,
+        retry_after_s=retry_after,
+        headers=headers,
+    )
 
 
 def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: int) -> None:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 async def _conveyor_error(_: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, ConveyorError):  # registered for ConveyorError only
         raise exc
-    headers = {}
+    headers = dict(exc.headers)
     if isinstance(exc, RetryableError):
         headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)

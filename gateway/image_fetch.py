@@ -52,15 +52,14 @@ class FetchPolicy:
     @classmethod
     def parse_networks(cls, text: str) -> tuple[IPNetwork, ...]:
         return tuple(
-            ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",")
+            ipaddress.ip_network(part.strip(), strict=False)
+            for part in text.split(",")
             if part.strip()
         )
 
 
 async def system_resolver(host: str, port: int) -> list[IPAddress]:
-    infos = await asyncio.get_running_loop().getaddrinfo(
-        host, port, type=socket.SOCK_STREAM
-    )
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return [ipaddress.ip_address(info[4][0]) for info in infos]
 
 

@@ -41,8 +41,9 @@ def image_parts(request: ChatCompletionRequest) -> list[ImagePartRef]:
             continue
         for index, part in enumerate(message.content):
             if isinstance(part, ImagePart):
-                found.append(ImagePartRef(f"messages[{position}].content[{index}]",
-                                          part.image_url.url))
+                found.append(
+                    ImagePartRef(f"messages[{position}].content[{index}]", part.image_url.url)
+                )
     return found
 
 
@@ -89,8 +90,7 @@ class ImageInputs:
         nothing is stored."""
         if not parts:
             return ()
-        loaded = await asyncio.gather(*(self._load(part) for part in parts),
-                                      return_exceptions=True)
+        loaded = await asyncio.gather(*(self._load(part) for part in parts), return_exceptions=True)
         images: list[tuple[str, bytes]] = []
         for outcome in loaded:
             if isinstance(outcome, BaseException):

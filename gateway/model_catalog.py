@@ -57,10 +57,13 @@ class ModelCatalog:
             raise ValueError(f"two served models are named {model.name!r}")
         self._models[model.name] = model
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str, allowed: frozenset[str] | None = None) -> ServedModel:
+        """The model ``name``; with ``allowed`` (an API key's models) any other model
+        does not exist, and the error lists only the allowed ones."""
         model = self._models.get(name)
-        if model is None:
-            known = ", ".join(sorted(self._models)) or "none"
+        if model is None or (allowed is not None and name not in allowed):
+            known = ", ".join(m for m in sorted(self._models) if allowed is None or m in allowed)
+            known = known or "none"
             raise ModelNotFound(
                 f"The model `{name}` does not exist. Models served here: {known}.",
                 param="model",

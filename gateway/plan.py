@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from shared.key_limits import LimitCharge
 from shared.protocol import ImageRef, SamplingOptions
 
 
@@ -52,6 +53,8 @@ class Generation:
     choices: tuple[ChoiceSpec, ...]
     images: tuple[ImageRef, ...]
     """The prompt's images, in the order of its image placeholders."""
+    choices_per_prompt: int = 1
+    """``n``: choice ``i`` answers prompt ``i // n``."""
 
     def longest_prompt(self) -> int:
         return max(len(choice.prompt_token_ids) for choice in self.choices)
@@ -76,6 +79,10 @@ class RequestPlan(Generic[W]):
     work: W
     deadline: Deadline
     idempotency_key: str | None
+    key_id: str | None = None
+    """The API key the request acts under (None while auth is off)."""
+    charge: LimitCharge | None = None
+    """What it costs against its key's limits (None: the key has none)."""
 
 
 AnyPlan = RequestPlan[Generation] | RequestPlan[Embedding]

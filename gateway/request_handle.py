@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 from gateway.plan import Deadline
+from gateway.request_tally import RequestTally
 from shared.errors import BackendUnavailable, DeadlineExceeded
 from shared.protocol import FINAL_EVENTS, Event
 from shared.reply_stream import StreamInterrupted
@@ -35,8 +36,13 @@ class RequestHandle:
         queue: asyncio.Queue[Event | StreamInterrupted],
         deadline: Deadline,
         on_close: Callable[[bool], None],
+        *,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.headers = dict(headers or {})
+        """Response headers the request's admission produced (``x-ratelimit-*``)."""
+        self.tally = RequestTally(received_unix=deadline.created_unix)
         self._queue = queue
         self._unfinished = sequences
         self._next_seq: dict[int, int] = {}
@@ -80,6 +86,7 @@ class RequestHandle:
                 continue
             if isinstance(item, FINAL_EVENTS):
                 self._unfinished -= 1
+            self.tally.note(item)
             yield item
 
     async def _next(self, wait_s: float) -> Event | StreamInterrupted:
@@ -101,7 +108,12 @@ class RequestHandle:
             self.duplicates_dropped += 1
             return False
         if event.seq > expected:
-            log.warning("%s choice %d: seq gap %d..%d", self.request_id, event.index,
-                        expected, event.seq - 1)
+            log.warning(
+                "%s choice %d: seq gap %d..%d",
+                self.request_id,
+                event.index,
+                expected,
+                event.seq - 1,
+            )
         self._next_seq[event.index] = event.seq + 1
         return True

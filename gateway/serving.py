@@ -24,6 +24,8 @@ expensive work:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 
 from gateway import limits, translate
+from gateway.control.records import ANONYMOUS, Principal
 from gateway.delivery import (
     EventStreamResponse,
     collect_response,
@@ -41,7 +44,9 @@ from gateway.delivery import (
 )
 from gateway.embeddings import collect_embeddings, embedding_inputs, input_token_ids
 from gateway.model_catalog import ModelKind, ServedModel
-from gateway.plan import Deadline, Embedding, Generation, RequestPlan
+from gateway.plan import Deadline, Embedding, Generation, RequestPlan, W
+from gateway.request_handle import RequestHandle
+from gateway.request_tally import reserved_tokens
 from gateway.responses import ChatFormat, CompletionFormat, Json, ResponseFormat
 from gateway.schemas import (
     ChatCompletionRequest,
@@ -51,6 +56,7 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState
 from shared.errors import GatewayDraining
+from shared.key_limits import LimitCharge
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_CLOSED_REQUEST = 499
@@ -59,10 +65,12 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass(frozen=True, slots=True)
 class RequestHeaders:
-    """The headers the serving step reads, as the client sent them."""
+    """What the serving step reads of the HTTP request besides its body."""
 
     idempotency_key: str | None
     timeout_s: float | None
+    principal: Principal = ANONYMOUS
+    """Who the request acts as (its API key; ANONYMOUS while auth is off)."""
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -101,7 +109,7 @@ async def embeddings(
     handle = await state.dispatcher.submit(plan)
     async with handle:
         result = await unless_disconnected(collect_embeddings(handle, body, plan.model), receive)
-    return _json_answer(result, plan.request_id)
+    return _json_answer(result, handle)
 
 
 # -------------------------------------------------------------------------- plans
@@ -110,47 +118,50 @@ async def embeddings(
 async def plan_chat(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders
 ) -> RequestPlan[Generation]:
-    model = _admit(state, body, ModelKind.GENERATE)
+    model = _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_chat(body, model, state.settings)
     parts = state.images.parts(body, model)
     prompt = await asyncio.to_thread(translate.chat_prompt, body, model, len(parts))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     images = await state.images.load(parts, deadline)
-    work = Generation(tuple(choices), images)
-    return RequestPlan(_new_id("chatcmpl"), model.name, work, deadline, idempotency_key)
+    work = Generation(tuple(choices), images, body.n)
+    return _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
 
 
 async def plan_completion(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders
 ) -> RequestPlan[Generation]:
-    model = _admit(state, body, ModelKind.GENERATE)
+    model = _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
-    work = Generation(tuple(choices), ())
-    return RequestPlan(_new_id("cmpl"), model.name, work, deadline, idempotency_key)
+    work = Generation(tuple(choices), (), body.n)
+    return _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
 
 
 async def plan_embeddings(
     state: GatewayState, body: EmbeddingRequest, headers: RequestHeaders
 ) -> RequestPlan[Embedding]:
-    model = _admit(state, body, ModelKind.EMBED)
+    model = _admit(state, body, ModelKind.EMBED, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(embedding_inputs(body)), state.settings, "input")
     prompts = await asyncio.to_thread(input_token_ids, body, model)
     work = Embedding(tuple(prompts), body.dimensions)
-    return RequestPlan(_new_id("embd"), model.name, work, deadline, idempotency_key)
+    return _plan("embd", model, work, deadline, idempotency_key, headers.principal)
 
 
 def _admit(
-    state: GatewayState, body: SamplingFields | EmbeddingRequest, kind: ModelKind
+    state: GatewayState,
+    body: SamplingFields | EmbeddingRequest,
+    kind: ModelKind,
+    principal: Principal,
 ) -> ServedModel:
     if state.draining:
         raise GatewayDraining("this gateway is shutting down; retry", retry_after_s=1)
     state.unknown_fields.note(body)
-    model = state.catalog.get(body.model).require(kind)
+    model = state.catalog.get(body.model, principal.models).require(kind)
     if isinstance(body, SamplingFields):
         translate.refuse_unsupported(body, model)
     return model
@@ -164,6 +175,25 @@ def _resolve(headers: RequestHeaders, state: GatewayState) -> tuple[Deadline, st
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _plan(
+    prefix: str,
+    model: ServedModel,
+    work: W,
+    deadline: Deadline,
+    idempotency_key: str | None,
+    principal: Principal,
+) -> RequestPlan[W]:
+    """The request's plan, with what it costs against its key's limits (if any)."""
+    request_id = _new_id(prefix)
+    plan = RequestPlan(request_id, model.name, work, deadline, idempotency_key, principal.key_id)
+    if principal.key_id is None or not principal.limits.any():
+        return plan
+    charge = LimitCharge(
+        principal.key_id, principal.limits, request_id, reserved_tokens(plan), time.time()
+    )
+    return dataclasses.replace(plan, charge=charge)
 
 
 # ----------------------------------------------------------------------- delivery
@@ -191,10 +221,10 @@ async def _generate(
     async with handle:
         work = collect_response(handle, fmt, indices=indices, choices_per_prompt=body.n)
         result = await unless_disconnected(work, receive)
-    return _json_answer(result, plan.request_id)
+    return _json_answer(result, handle)
 
 
-def _json_answer(result: Json | None, request_id: str) -> Response:
+def _json_answer(result: Json | None, handle: RequestHandle) -> Response:
     if result is None:  # the client left; the handle's owner has cancelled the request
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(result, headers={"X-Request-Id": request_id})
+    return JSONResponse(result, headers={"X-Request-Id": handle.request_id, **handle.headers})

@@ -83,7 +83,7 @@ class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     name: str
     """The model name clients send for it (also its job stream's name)."""
     path: str
-    """A PEFT adapter folder every worker of ``base_model`` can read."""
+    """Absolute path of a PEFT adapter folder every worker of ``base_model`` can read."""
     base_model: str
     """The served name of the model it was made for: its workers load it."""
 

@@ -340,14 +340,21 @@ def _write_all(out: Path, *, seed: int, kind: str) -> None:
     if spec is None:
         fast.save_pretrained(out)
         _write_model(
-            out, seed=seed, vocab_size=vocab_size, bos_id=ids[BOS], eos_ids=eos_ids,
+            out,
+            seed=seed,
+            vocab_size=vocab_size,
+            bos_id=ids[BOS],
+            eos_ids=eos_ids,
             pad_id=ids[PAD],
         )
     else:
         from shared.demo_vision_model import write_vision_model
 
         token_ids = TokenIds(
-            vocab_size=vocab_size, bos=ids[BOS], eos=eos_ids, pad=ids[PAD],
+            vocab_size=vocab_size,
+            bos=ids[BOS],
+            eos=eos_ids,
+            pad=ids[PAD],
             special={t: ids[t] for t in extra},
         )
         write_vision_model(out, kind=kind, seed=seed, tokenizer=fast, ids=token_ids)

@@ -247,8 +247,11 @@ def _processor(kind: str, tokenizer: Any, template: str) -> Any:
         temporal_patch_size=2,
     )
     video_processor = Qwen2VLVideoProcessor(
-        min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, patch_size=PATCH,
-        merge_size=QWEN_MERGE, temporal_patch_size=2,
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+        patch_size=PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
     )  # unused (no video) but the processor requires one
     return Qwen2VLProcessor(  # type: ignore[no-untyped-call]
         image_processor=qwen,
@@ -291,8 +294,7 @@ def _write_weights(out: Path, kind: str, config: Any, seed: int) -> None:
     with torch.device("meta"):
         model = model_class(config)
     shapes = {
-        _checkpoint_name(kind, name): tuple(param.shape)
-        for name, param in model.named_parameters()
+        _checkpoint_name(kind, name): tuple(param.shape) for name, param in model.named_parameters()
     }
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

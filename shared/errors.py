@@ -15,8 +15,8 @@ ConveyorError
 ├── ModelNotFound (404, model_not_found)
 ├── ApiKeyNotFound (404)                              /admin/keys/{id} names no key
 ├── Overloaded (429, rate_limit_exceeded)             recoverable: retry after `retry_after_s`
-├── KeyRateLimited (429, rate_limit_exceeded)         the key's RPM/TPM/concurrency limit: retry later
-├── QuotaExceeded (429, insufficient_quota)           the key's token budget for this period is spent
+├── KeyRateLimited (429, rate_limit_exceeded)         the key's RPM/TPM/concurrency: retry later
+├── QuotaExceeded (429, insufficient_quota)           the key's budget for the period is spent
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
 ├── GatewayDraining (503)                             recoverable: another gateway / later
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
@@ -50,6 +50,8 @@ class ConveyorError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers: dict[str, str] = {}
+        """Extra response headers (a limited key's ``x-ratelimit-*``)."""
 
     def to_openai(self) -> dict[str, dict[str, str | None]]:
         return openai_error(self.message, self.type, self.param, self.code)
@@ -163,13 +165,21 @@ class KeyRateLimited(RetryableError):
     type names what ran out, the code is ``rate_limit_exceeded``)."""
 
     status = 429
+    type = "requests"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, limit: str, retry_after_s: int,
-                 headers: dict[str, str]) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str = "requests",
+        retry_after_s: int = 1,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, param=param)
         self.type = limit
-        self.headers = headers
+        self.headers = dict(headers or {})
 
 
 class QuotaExceeded(RetryableError):
@@ -177,9 +187,16 @@ class QuotaExceeded(RetryableError):
     type = "insufficient_quota"
     code = "insufficient_quota"
 
-    def __init__(self, message: str, *, retry_after_s: int, headers: dict[str, str]) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
-        self.headers = headers
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: int = 1,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, param=param)
+        self.headers = dict(headers or {})
 
 
 class NoLiveWorker(RetryableError):

@@ -126,8 +126,11 @@ def forget_dead_process(redis_url: str, pid: int, host: str | None = None) -> li
     marker = f"-{host or socket.gethostname()}-{pid}-"
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
-        dead = [key for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN, 500)
-                if marker in key.decode()]
+        dead = [
+            key
+            for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN, 500)
+            if marker in key.decode()
+        ]
         if dead:
             client.delete(*dead)
         return [key.decode().removeprefix(keys.worker_heartbeat("")) for key in dead]
@@ -199,8 +202,7 @@ class HeartbeatThread:
             if stalled_s <= self._stall_limit_s:
                 self._beat()
             else:
-                log.error("event loop stalled for %.1fs: no heartbeat until it answers",
-                          stalled_s)
+                log.error("event loop stalled for %.1fs: no heartbeat until it answers", stalled_s)
             self._stop.wait(self._interval_s)
 
     def _beat(self) -> None:

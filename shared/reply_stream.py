@@ -93,8 +93,11 @@ class ReplyRouter:
             await asyncio.sleep(self._watchdog_tick_s)
             silent = time.monotonic() - self._last_ok
             if silent > limit and self._routes:
-                log.error("no answer from Redis for %.0fs: ending %d open requests",
-                          silent, len(self._routes))
+                log.error(
+                    "no answer from Redis for %.0fs: ending %d open requests",
+                    silent,
+                    len(self._routes),
+                )
                 self.interrupt_all(f"lost contact with Redis for {silent:.0f}s; retry")
             self.watchdog_checks += 1
 

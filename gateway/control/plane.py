@@ -34,9 +34,7 @@ SCHEMA_CHECK_AT_HEAD_S = 30.0
 
 
 class ControlPlane:
-    def __init__(
-        self, settings: GatewaySettings, redis: aioredis.Redis, gateway_id: str
-    ) -> None:
+    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, gateway_id: str) -> None:
         self.settings = settings
         self.embedded = settings.database_is_embedded()
         self.database: Database = open_database(settings.database_url_or_default())

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 
 from gateway import limits, serving
+from gateway.auth import require_scope
+from gateway.control.records import Principal, Scope
 from gateway.model_catalog import ServedModel
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.serving import RequestHeaders
 from gateway.state import StateDep
+
+Inference = Annotated[Principal, Depends(require_scope(Scope.INFERENCE))]
+"""Every /v1 route needs a key with the ``inference`` scope while auth is on."""
 
 router = APIRouter(prefix="/v1")
 
@@ -27,10 +32,11 @@ async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     state: StateDep,
+    principal: Inference,
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
 ) -> Response:
-    headers = RequestHeaders(idempotency_key, timeout_s)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal)
     return await serving.chat_completions(state, body, headers, request.receive)
 
 
@@ -39,29 +45,35 @@ async def completions(
     body: CompletionRequest,
     request: Request,
     state: StateDep,
+    principal: Inference,
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
 ) -> Response:
-    headers = RequestHeaders(idempotency_key, timeout_s)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal)
     return await serving.completions(state, body, headers, request.receive)
 
 
 @router.post("/embeddings", response_model=None)
 async def embeddings(
-    body: EmbeddingRequest, request: Request, state: StateDep, timeout_s: RequestTimeout = None
+    body: EmbeddingRequest,
+    request: Request,
+    state: StateDep,
+    principal: Inference,
+    timeout_s: RequestTimeout = None,
 ) -> Response:
-    headers = RequestHeaders(None, timeout_s)
+    headers = RequestHeaders(None, timeout_s, principal)
     return await serving.embeddings(state, body, headers, request.receive)
 
 
 @router.get("/models")
-async def list_models(state: StateDep) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(m) for m in state.catalog.all()]}
+async def list_models(state: StateDep, principal: Inference) -> dict[str, Any]:
+    models = [m for m in state.catalog.all() if principal.may_use(m.name)]
+    return {"object": "list", "data": [_model_card(m) for m in models]}
 
 
 @router.get("/models/{model_id:path}")
-async def get_model(model_id: str, state: StateDep) -> dict[str, Any]:
-    return _model_card(state.catalog.get(model_id))
+async def get_model(model_id: str, state: StateDep, principal: Inference) -> dict[str, Any]:
+    return _model_card(state.catalog.get(model_id, principal.models))
 
 
 def _model_card(model: ServedModel) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""Auth on /v1/*: the real gateway in process (fake workers, fakeredis) with the control
+plane on SQLite and PostgreSQL. Nothing is queued for a refused request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.control.key_service import KeySpec
+from gateway.control.plane import ControlPlane
+from gateway.control.records import Scope
+from gateway.db.engine import Database
+from gateway.model_catalog import ServedModel
+from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
+from tests.support.sql import SqlTarget
+
+ADMIN_KEY = "admin-key-for-inference-tests-0123456789"
+
+
+@pytest.fixture
+async def gateway(
+    served_model: ServedModel, sql_target: SqlTarget, database: Database
+) -> AsyncIterator[LiveGateway]:
+    async with live_gateway(served_model, database_url=sql_target.url, admin_key=ADMIN_KEY) as live:
+        plane = ControlPlane(live.state.settings, live.redis, "gw-test")
+        await plane.start()
+        live.state.control = plane
+        try:
+            yield live
+        finally:
+            await plane.stop()
+
+
+async def new_key(live: LiveGateway, scopes: set[Scope], models: set[str] | None = None) -> str:
+    assert live.state.control is not None
+    created = await live.state.control.key_service.create(
+        KeySpec("t", frozenset(scopes), frozenset(models) if models is not None else None)
+    )
+    await live.state.control.keys.reload()
+    return created.secret
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def queued(live: LiveGateway) -> int:
+    return int(await live.redis.xlen("conveyor:jobs:tiny:aggregated"))
+
+
+async def test_v1_needs_a_key(gateway: LiveGateway) -> None:
+    for headers in ({}, {"Authorization": "Bearer cvy-not-a-key"}, {"Authorization": "Basic x"}):
+        response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=headers)
+        assert error_of(response, 401)["code"] == "invalid_api_key"
+    assert error_of(await gateway.client.get("/v1/models"), 401)["code"] == "invalid_api_key"
+    assert await queued(gateway) == 0
+
+
+async def test_inference_key_answers_and_admin_key_too(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    for key in (secret, ADMIN_KEY):
+        response = await gateway.client.post(
+            COMPLETIONS, json=BODIES[COMPLETIONS], headers=bearer(key)
+        )
+        assert response.status_code == 200, response.text
+
+
+async def test_inference_key_may_not_call_admin(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    response = await gateway.client.get("/admin/state", headers=bearer(secret))
+    assert response.status_code == 403
+
+
+async def test_metrics_only_key_may_not_infer(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.METRICS})
+    response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
+    assert response.status_code == 403
+    assert await queued(gateway) == 0
+
+
+async def test_a_model_the_key_may_not_use_does_not_exist(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE}, models={"tiny-embed"})
+    response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
+    error = error_of(response, 404)
+    assert error["code"] == "model_not_found"
+    assert "tiny`" in error["message"] and "tiny-embed" in error["message"]
+    listed: Any = (await gateway.client.get("/v1/models", headers=bearer(secret))).json()
+    assert [card["id"] for card in listed["data"]] == ["tiny-embed"]
+    assert (await gateway.client.get("/v1/models/tiny", headers=bearer(secret))).status_code == 404
+    assert await queued(gateway) == 0
+
+
+async def test_a_revoked_key_stops_at_once(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    assert gateway.state.control is not None
+    key_id = gateway.state.control.keys.resolve(secret).key_id  # type: ignore[union-attr]
+    assert key_id is not None
+    await gateway.state.control.key_service.revoke(key_id)
+    await gateway.state.control.keys.reload()
+    response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
+    assert error_of(response, 401)["code"] == "invalid_api_key"
