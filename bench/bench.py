@@ -57,69 +57,127 @@ class Target:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", help="load this running server instead of starting Conveyor")
-    parser.add_argument("--compare", action="store_true",
-                        help="also start vLLM's own OpenAI server and run the identical load")
-    parser.add_argument("--disaggregated", action="store_true",
-                        help="also run Conveyor in disaggregated mode (one prefill and one "
-                        "decode worker, NIXL KV transfer) and report the KV transfer time")
-    parser.add_argument("--pd-redis-url", default="redis://127.0.0.1:6379/6",
-                        help="Redis db of the disaggregated Conveyor (kept apart from the "
-                        "aggregated one's)")
-    parser.add_argument("--vllm-env", default=None, metavar="KEY=VALUE,...",
-                        help="with --compare: also run vLLM's server with these environment "
-                        "variables (as 'vllm-tuned'), e.g. the engine placement Conveyor uses")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="also run Conveyor with these environment variables (as "
-                        "'conveyor-NAME', on its own Redis db); repeatable")
-    parser.add_argument("--interleave", action="store_true",
-                        help="with --compare: run both servers at once and alternate rounds, "
-                        "so background load from other processes hits both alike")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also start vLLM's own OpenAI server and run the identical load",
+    )
+    parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="also run Conveyor in disaggregated mode (one prefill and one "
+        "decode worker, NIXL KV transfer) and report the KV transfer time",
+    )
+    parser.add_argument(
+        "--pd-redis-url",
+        default="redis://127.0.0.1:6379/6",
+        help="Redis db of the disaggregated Conveyor (kept apart from the aggregated one's)",
+    )
+    parser.add_argument(
+        "--vllm-env",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="with --compare: also run vLLM's server with these environment "
+        "variables (as 'vllm-tuned'), e.g. the engine placement Conveyor uses",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="also run Conveyor with these environment variables (as "
+        "'conveyor-NAME', on its own Redis db); repeatable",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compare: run both servers at once and alternate rounds, "
+        "so background load from other processes hits both alike",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128, help="requests per round")
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="measured rounds per server; the table shows their medians")
-    parser.add_argument("--warmup-requests", type=int, default=None,
-                        help="requests of the warm-up round (default: --concurrency)")
-    parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                        help="chat messages of exact length, or token-id completions")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                        help="model folder (the demo model is generated here if missing)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measured rounds per server; the table shows their medians",
+    )
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="requests of the warm-up round (default: --concurrency)",
+    )
+    parser.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="chat messages of exact length, or token-id completions",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="model folder (the demo model is generated here if missing)",
+    )
     parser.add_argument("--served-model-name", default="bench-demo")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/5")
     parser.add_argument("--dtype", default="float32", help="engine dtype of both servers")
-    parser.add_argument("--max-num-seqs", type=int, default=64,
-                        help="vLLM's --max-num-seqs and Conveyor's --worker-max-slots")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="vLLM's --max-num-seqs and Conveyor's --worker-max-slots",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="server logs (default: a new /tmp/conveyor-bench-* folder)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="server logs (default: a new /tmp/conveyor-bench-* folder)",
+    )
     parser.add_argument("--json-out", type=Path, default=None, help="also write results as JSON")
     return parser
 
 
-def _load(target: Target, prompts: PromptFactory, keys: range,
-          args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+def _load(
+    target: Target, prompts: PromptFactory, keys: range, args: argparse.Namespace
+) -> tuple[list[RequestResult], float]:
     bodies = [prompts.body(key, args.input_tokens, args.output_tokens) for key in keys]
-    return asyncio.run(run_load(target.base_url, prompts.path, bodies,
-                                concurrency=args.concurrency, output_tokens=args.output_tokens))
+    return asyncio.run(
+        run_load(
+            target.base_url,
+            prompts.path,
+            bodies,
+            concurrency=args.concurrency,
+            output_tokens=args.output_tokens,
+        )
+    )
 
 
 def warm_up(target: Target, prompts: PromptFactory, args: argparse.Namespace) -> None:
     count = args.concurrency if args.warmup_requests is None else args.warmup_requests
     if count > 0:
-        results, took = _load(target, prompts, range(WARMUP_KEY_BASE, WARMUP_KEY_BASE + count),
-                              args)
+        results, took = _load(
+            target, prompts, range(WARMUP_KEY_BASE, WARMUP_KEY_BASE + count), args
+        )
         bad = sum(r.error is not None for r in results)
-        print(f"  {target.name}: warm-up {count} requests in {took:.1f}s ({bad} errors)",
-              flush=True)
+        print(
+            f"  {target.name}: warm-up {count} requests in {took:.1f}s ({bad} errors)", flush=True
+        )
 
 
-def measure_round(target: Target, number: int, prompts: PromptFactory,
-                  args: argparse.Namespace, into: Measurement) -> None:
+def measure_round(
+    target: Target, number: int, prompts: PromptFactory, args: argparse.Namespace, into: Measurement
+) -> None:
     time.sleep(SETTLE_S)
     first = number * args.requests  # every round sends prompts never seen before
     meter = CpuMeter(target.pid, target.redis_port)
@@ -134,10 +192,13 @@ def measure_round(target: Target, number: int, prompts: PromptFactory,
         time.sleep(REGISTRY_BEAT_S)  # the decode worker's next heartbeat carries the counters
         count, seconds = _kv_transfers(target, args) or (0, 0.0)
         into.transfers.append((count - transfers_before[0], seconds - transfers_before[1]))
-    print(f"  {target.name} round {number + 1}/{args.rounds}: {summary.completed}/"
-          f"{summary.requests} ok in {took:.1f}s, {summary.output_tokens_per_s:.0f} output "
-          f"tok/s, TTFT p50 {summary.ttft_p50_ms:.0f} ms, server CPU "
-          f"{sum(cpu.server.values()):.1f}s, other processes {cpu.other_s:.1f}s", flush=True)
+    print(
+        f"  {target.name} round {number + 1}/{args.rounds}: {summary.completed}/"
+        f"{summary.requests} ok in {took:.1f}s, {summary.output_tokens_per_s:.0f} output "
+        f"tok/s, TTFT p50 {summary.ttft_p50_ms:.0f} ms, server CPU "
+        f"{sum(cpu.server.values()):.1f}s, other processes {cpu.other_s:.1f}s",
+        flush=True,
+    )
 
 
 def _kv_transfers(target: Target, args: argparse.Namespace) -> tuple[int, float] | None:
@@ -146,8 +207,9 @@ def _kv_transfers(target: Target, args: argparse.Namespace) -> tuple[int, float]
     return kv_transfers(target.redis_url, args.served_model_name)
 
 
-def measure(targets: list[Target], prompts: PromptFactory,
-            args: argparse.Namespace) -> list[Measurement]:
+def measure(
+    targets: list[Target], prompts: PromptFactory, args: argparse.Namespace
+) -> list[Measurement]:
     """Warm every target up, then run the rounds, alternating between targets."""
     for target in targets:
         warm_up(target, prompts, args)
@@ -175,27 +237,61 @@ def run(args: argparse.Namespace) -> int:
         servers.append(Target("conveyor", args.url.rstrip("/"), None, _port(args.redis_url)))
     else:
         drop_stale_jobs(args.redis_url, args.served_model_name)
-        servers.append(conveyor_server(model, args.served_model_name, args.redis_url,
-                                       args.dtype, args.max_num_seqs, log_dir))
+        servers.append(
+            conveyor_server(
+                model,
+                args.served_model_name,
+                args.redis_url,
+                args.dtype,
+                args.max_num_seqs,
+                log_dir,
+            )
+        )
     if args.disaggregated:
         drop_stale_jobs(args.pd_redis_url, args.served_model_name)
-        servers.append(conveyor_server(model, args.served_model_name, args.pd_redis_url,
-                                       args.dtype, args.max_num_seqs, log_dir,
-                                       mode="disaggregated"))
+        servers.append(
+            conveyor_server(
+                model,
+                args.served_model_name,
+                args.pd_redis_url,
+                args.dtype,
+                args.max_num_seqs,
+                log_dir,
+                mode="disaggregated",
+            )
+        )
     for number, spec in enumerate(args.variant):
         variant, _, env = spec.partition(":")
         redis_url = with_db(args.redis_url, VARIANT_DB + number)
         drop_stale_jobs(redis_url, args.served_model_name)
-        servers.append(conveyor_server(model, args.served_model_name, redis_url, args.dtype,
-                                       args.max_num_seqs, log_dir, variant=variant,
-                                       env_overrides=parse_env(env)))
+        servers.append(
+            conveyor_server(
+                model,
+                args.served_model_name,
+                redis_url,
+                args.dtype,
+                args.max_num_seqs,
+                log_dir,
+                variant=variant,
+                env_overrides=parse_env(env),
+            )
+        )
     if args.compare:
-        servers.append(vllm_server(model, args.served_model_name, args.dtype,
-                                   args.max_num_seqs, log_dir))
+        servers.append(
+            vllm_server(model, args.served_model_name, args.dtype, args.max_num_seqs, log_dir)
+        )
         if args.vllm_env:
-            servers.append(vllm_server(model, args.served_model_name, args.dtype,
-                                       args.max_num_seqs, log_dir, name="vllm-tuned",
-                                       env_overrides=parse_env(args.vllm_env)))
+            servers.append(
+                vllm_server(
+                    model,
+                    args.served_model_name,
+                    args.dtype,
+                    args.max_num_seqs,
+                    log_dir,
+                    name="vllm-tuned",
+                    env_overrides=parse_env(args.vllm_env),
+                )
+            )
     groups = [servers] if args.interleave else [[server] for server in servers]
     measurements: list[Measurement] = []
     for group in groups:
@@ -211,15 +307,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.errors == 0 for m in measurements for r in m.rounds) else 1
 
 
-def _start(server: ManagedServer | Target, stack: contextlib.ExitStack,
-           args: argparse.Namespace) -> Target:
+def _start(
+    server: ManagedServer | Target, stack: contextlib.ExitStack, args: argparse.Namespace
+) -> Target:
     if isinstance(server, Target):
         return server
     print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
     stack.enter_context(running(server, args.startup_timeout))
     if server.name == "conveyor-pd":
-        return Target(server.name, server.base_url, server.pid, _port(args.pd_redis_url),
-                      args.pd_redis_url)
+        return Target(
+            server.name, server.base_url, server.pid, _port(args.pd_redis_url), args.pd_redis_url
+        )
     redis_port = _port(args.redis_url) if server.name == "conveyor" else None
     return Target(server.name, server.base_url, server.pid, redis_port)
 
@@ -235,8 +333,9 @@ def _raise_interrupt(*_: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.concurrency, args.requests, args.rounds) < 1 or args.input_tokens < 8:
-        print("need --concurrency, --requests, --rounds >= 1 and --input-tokens >= 8",
-              file=sys.stderr)
+        print(
+            "need --concurrency, --requests, --rounds >= 1 and --input-tokens >= 8", file=sys.stderr
+        )
         return 2
     if args.interleave and not (args.compare or args.disaggregated):
         print("--interleave needs --compare or --disaggregated", file=sys.stderr)

@@ -28,8 +28,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from shared import keys
 from shared.adapters import LOADED, AdapterSpec, adapter_stream, publish_desired
@@ -42,14 +44,14 @@ from shared.roles import Role
 
 MODEL = "bench-tiny"
 GATEWAY = "gw-bench-lora"
-LOADED_LOG = re.compile(r"adapter (\S+) loaded from .* in ([0-9.]+)s")
+LOADED_LOG = re.compile(r"adapter (\S+) ready in ([0-9.]+)s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.lora", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--redis-url",
-        default="redis://127.0.0.1:6379/13",
+        default="redis://127.0.0.1:6379/10",
         help="a Redis database this benchmark may FLUSH",
     )
     parser.add_argument("--requests", type=int, default=256)
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=4, help="adapters whose load is timed")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of each mix, interleaved (median reported)"
+    )
     parser.add_argument(
         "--lora-off",
         action="store_true",
@@ -153,6 +158,7 @@ class Driver:
             )
         finally:
             reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         return time.perf_counter() - started, sum(counts)
 
     async def _loop(self, plan: Iterator[str | None]) -> int:
@@ -180,12 +186,18 @@ class Driver:
         future = self._waiting[job.request_id] = asyncio.get_running_loop().create_future()
         stream = adapter_stream(adapter) if adapter else keys.job_stream(MODEL, Role.AGGREGATED)
         await self._queue.submit(stream, [job], max_depth=100_000)
-        return await future
+        return int(await future)
 
     async def _read(self) -> None:
-        last = "$"
+        newest: Any = await self._client.xrevrange(self._reply, count=1)
+        last: Any = newest[0][0] if newest else "0-0"
         while True:
-            reply = await self._client.xread({self._reply: last}, block=1000, count=1000)
+            try:
+                reply: Any = await self._client.xread({self._reply: last}, block=1000, count=1000)
+            except RedisError as exc:
+                print(f"reply read failed ({exc}); again", file=sys.stderr)
+                await asyncio.sleep(0.1)
+                continue
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -203,45 +215,59 @@ class Driver:
                 future.set_result(event.completion_tokens)
 
 
+Run = tuple[float, int]
+"""(seconds, output tokens)."""
+
+
+def median(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda run: run[1] / run[0])[len(runs) // 2]
+
+
 async def measure(
     args: argparse.Namespace, model: Path, specs: list[AdapterSpec], log: Path, **env: str
-) -> dict[str, tuple[float, int]]:
+) -> dict[str, Run]:
     client = aioredis.Redis.from_url(args.redis_url)
     await client.flushdb()
     await client.set(keys.gateway_heartbeat(GATEWAY), b"1", ex=3600)
-    results: dict[str, tuple[float, int]] = {}
+    results: dict[str, Run] = {}
     try:
         with worker(model, args.redis_url, log, **env) as process:
             await wait_ready(client, process)
             driver = Driver(client, args)
             await driver.run([None])  # warm-up
             if env.get("CONVEYOR_ENABLE_LORA") == "false":
-                results["base only, LoRA off"] = await driver.run([None])
+                runs = [await driver.run([None]) for _ in range(args.rounds)]
+                results["base only, LoRA off"] = median(runs)
                 return results
             loads = await time_loads(client, process.pid, specs)
             results["load"] = (sum(loads) / len(loads), len(loads))
             await driver.run([None, specs[0].name])  # warm-up with an adapter
-            results["base only"] = await driver.run([None])
-            results["50/50 base + 1 adapter"] = await driver.run([None, specs[0].name])
-            results["50/50 base + 2 adapters"] = await driver.run(
-                [None, specs[0].name, None, specs[1].name]
-            )
+            mixes: dict[str, list[str | None]] = {
+                "base only": [None],
+                "50/50 base + 1 adapter": [None, specs[0].name],
+                "50/50 base + 2 adapters": [None, specs[0].name, None, specs[1].name],
+            }
+            rounds: dict[str, list[Run]] = {name: [] for name in mixes}
+            for _ in range(args.rounds):  # interleaved: background load hits each mix alike
+                for name, mix in mixes.items():
+                    rounds[name].append(await driver.run(mix))
+            results.update({name: median(runs) for name, runs in rounds.items()})
     finally:
         await client.aclose()
     return results
 
 
-def report(results: dict[str, tuple[float, int]], log: Path, args: argparse.Namespace) -> None:
+def report(results: dict[str, Run], log: Path, args: argparse.Namespace) -> None:
     engine_loads = [float(m[2]) for m in LOADED_LOG.finditer(log.read_text(errors="replace"))]
     if "load" in results:
         mean_s, count = results.pop("load")
         print(
-            f"adapter load, registered -> reported loaded: {mean_s * 1000:.0f} ms mean over "
-            f"{count} (includes the worker's {0.25 * 1000:.0f} ms poll)"
+            f"adapter load, registered -> registry says loaded: {mean_s * 1000:.0f} ms mean over "
+            f"{count} (includes the worker's 250 ms poll and up to one heartbeat)"
         )
     if engine_loads:
         print(
-            f"adapter load inside the engine (check + add_lora): "
+            f"adapter load in the worker (folder check + add_lora + stream): "
             f"{sum(engine_loads) / len(engine_loads) * 1000:.1f} ms mean over {len(engine_loads)}"
         )
     print(

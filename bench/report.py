@@ -33,12 +33,16 @@ class Measurement:
             per_round = [1000 * s / n for n, s in self.transfers if n]
             return statistics.median(per_round) if per_round else math.nan
         if attr == "kv_transfers_per_request":
-            per_round = [n / max(1, r.requests) for (n, _), r in zip(self.transfers, self.rounds,
-                                                                      strict=False)]
+            per_round = [
+                n / max(1, r.requests)
+                for (n, _), r in zip(self.transfers, self.rounds, strict=False)
+            ]
             return statistics.median(per_round) if per_round else math.nan
         if attr in _CPU_ROWS:
-            return statistics.median(_CPU_ROWS[attr](c) / max(1, r.output_tokens) * 1e6
-                                     for r, c in zip(self.rounds, self.cpu, strict=True))
+            return statistics.median(
+                _CPU_ROWS[attr](c) / max(1, r.output_tokens) * 1e6
+                for r, c in zip(self.rounds, self.cpu, strict=True)
+            )
         return statistics.median(float(getattr(r, attr)) for r in self.rounds)
 
 
@@ -76,25 +80,38 @@ def source_state() -> str:
     """The commit under test, and how many files (outside bench/) differ from it."""
     repo = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"],
-                                capture_output=True, text=True, timeout=10).stdout
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     dirty = [line for line in status.splitlines() if line[3:] and not line[3:].startswith("bench/")]
     return f"commit {head or '?'}" + (f" + {len(dirty)} uncommitted file(s)" if dirty else "")
 
 
-def print_report(measurements: list[Measurement], args: argparse.Namespace, prompt: str,
-                 code: str, wall_s: float) -> None:
+def print_report(
+    measurements: list[Measurement], args: argparse.Namespace, prompt: str, code: str, wall_s: float
+) -> None:
     order = "interleaved" if args.interleave else "one server after the other"
     print()
-    print(f"load: {args.requests} streaming requests per round, concurrency "
-          f"{args.concurrency}, {args.output_tokens} output tokens each (ignore_eos, "
-          f"temperature 0), dtype {args.dtype}")
-    print(f"rounds: {args.rounds} per server ({order}); the table shows "
-          f"{'the median of the rounds' if args.rounds > 1 else 'the one round'}")
+    print(
+        f"load: {args.requests} streaming requests per round, concurrency "
+        f"{args.concurrency}, {args.output_tokens} output tokens each (ignore_eos, "
+        f"temperature 0), dtype {args.dtype}"
+    )
+    print(
+        f"rounds: {args.rounds} per server ({order}); the table shows "
+        f"{'the median of the rounds' if args.rounds > 1 else 'the one round'}"
+    )
     print(f"prompt: {prompt}")
     print(f"code under test: {code}")
     names = [m.server for m in measurements]
@@ -119,8 +136,9 @@ def print_report(measurements: list[Measurement], args: argparse.Namespace, prom
     for m in measurements:
         seen = sorted({t for r in m.rounds for t in r.prompt_tokens_seen})
         if seen != [args.input_tokens]:
-            print(f"WARNING {m.server}: usage.prompt_tokens seen {seen}, "
-                  f"wanted {args.input_tokens}")
+            print(
+                f"WARNING {m.server}: usage.prompt_tokens seen {seen}, wanted {args.input_tokens}"
+            )
         for sample in sorted({e for r in m.rounds for e in r.error_samples}):
             print(f"  {m.server} error: {sample}")
         if len(m.rounds) > 1:
@@ -135,8 +153,10 @@ def print_report(measurements: list[Measurement], args: argparse.Namespace, prom
         for line in total.lines():
             print(line)
         if total.other_s > NOISY_SHARE * total.wall_s * (os.cpu_count() or 1):
-            print(f"  WARNING: other processes used {total.other_s:.1f} core-s while "
-                  f"{m.server} was measured: its numbers are disturbed; run again")
+            print(
+                f"  WARNING: other processes used {total.other_s:.1f} core-s while "
+                f"{m.server} was measured: its numbers are disturbed; run again"
+            )
     print(f"total bench wall time: {wall_s:.0f}s")
 
 
@@ -153,14 +173,24 @@ def _compared_pair(measurements: list[Measurement]) -> tuple[Measurement, Measur
 def _print_targets(ours: Measurement, theirs: Measurement) -> None:
     ratio = ours.median("output_tokens_per_s") / theirs.median("output_tokens_per_s")
     delta = ours.median("ttft_p50_ms") - theirs.median("ttft_p50_ms")
-    print(f"target: output tok/s >= 1.00x {theirs.server}: {ratio:.2f}x -> "
-          f"{'met' if ratio >= 1.0 else 'MISSED'}")
-    print(f"target: TTFT p50 <= {theirs.server} + {TTFT_BUDGET_MS:.0f} ms: {delta:+.1f} ms -> "
-          f"{'met' if delta <= TTFT_BUDGET_MS else 'MISSED'}")
+    print(
+        f"target: output tok/s >= 1.00x {theirs.server}: {ratio:.2f}x -> "
+        f"{'met' if ratio >= 1.0 else 'MISSED'}"
+    )
+    print(
+        f"target: TTFT p50 <= {theirs.server} + {TTFT_BUDGET_MS:.0f} ms: {delta:+.1f} ms -> "
+        f"{'met' if delta <= TTFT_BUDGET_MS else 'MISSED'}"
+    )
 
 
-def write_json(path: Path, measurements: list[Measurement], args: argparse.Namespace,
-               prompt: str, code: str, wall_s: float) -> None:
+def write_json(
+    path: Path,
+    measurements: list[Measurement],
+    args: argparse.Namespace,
+    prompt: str,
+    code: str,
+    wall_s: float,
+) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     data: dict[str, Any] = {
         "config": config,

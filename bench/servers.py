@@ -108,8 +108,10 @@ class ManagedServer:
                 try:
                     process.wait(grace_s)
                 except subprocess.TimeoutExpired:
-                    print(f"  {self.name} did not stop in {grace_s:.0f}s; killing what is left",
-                          file=sys.stderr)
+                    print(
+                        f"  {self.name} did not stop in {grace_s:.0f}s; killing what is left",
+                        file=sys.stderr,
+                    )
         finally:  # even when a second Ctrl-C cut the wait short
             groups.update(process_tree(process.pid).values())  # children started meanwhile
             for group in groups - {os.getpgid(0)}:  # stragglers, if any; never our own group
@@ -125,16 +127,26 @@ def running(server: ManagedServer, startup_timeout_s: float) -> Iterator[Managed
     try:
         server.start()
         took = server.wait_ready(startup_timeout_s)
-        print(f"  {server.name} ready at {server.base_url} after {took:.1f}s "
-              f"(log: {server.log_path})", flush=True)
+        print(
+            f"  {server.name} ready at {server.base_url} after {took:.1f}s "
+            f"(log: {server.log_path})",
+            flush=True,
+        )
         yield server
     finally:
         server.stop()
 
 
 def conveyor_server(
-    model: Path, served_name: str, redis_url: str, dtype: str, max_num_seqs: int, log_dir: Path,
-    *, mode: str = "aggregated", variant: str | None = None,
+    model: Path,
+    served_name: str,
+    redis_url: str,
+    dtype: str,
+    max_num_seqs: int,
+    log_dir: Path,
+    *,
+    mode: str = "aggregated",
+    variant: str | None = None,
     env_overrides: dict[str, str] | None = None,
 ) -> ManagedServer:
     """``conveyor up``: one aggregated worker, or (``mode="disaggregated"``) prefill + decode;
@@ -146,24 +158,58 @@ def conveyor_server(
     script = Path(sys.executable).with_name("conveyor")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "conveyor.cli"]
     command += [
-        "up", "--port", str(port), "--model", str(model), "--served-model-name", served_name,
-        "--redis-url", redis_url, "--workers", "1", "--data-dir", str(log_dir / "conveyor-data"),
-        "--dtype", dtype, "--worker-max-slots", str(max_num_seqs), "--mode", mode,
+        "up",
+        "--port",
+        str(port),
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_name,
+        "--redis-url",
+        redis_url,
+        "--workers",
+        "1",
+        "--data-dir",
+        str(log_dir / "conveyor-data"),
+        "--dtype",
+        dtype,
+        "--worker-max-slots",
+        str(max_num_seqs),
+        "--mode",
+        mode,
     ]
     env = {**os.environ, **(env_overrides or {})}
     return ManagedServer(name, command, env, port, "/ready", log_dir / f"{name}.log")
 
 
 def vllm_server(
-    model: Path, served_name: str, dtype: str, max_num_seqs: int, log_dir: Path,
-    *, name: str = "vllm", env_overrides: dict[str, str] | None = None,
+    model: Path,
+    served_name: str,
+    dtype: str,
+    max_num_seqs: int,
+    log_dir: Path,
+    *,
+    name: str = "vllm",
+    env_overrides: dict[str, str] | None = None,
 ) -> ManagedServer:
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", served_name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(max_num_seqs),
     ]
     # Conveyor's worker does the same (setdefault from --kv-cache-gib, default 1 GiB).
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env_overrides or {})}
@@ -190,8 +236,9 @@ def drop_stale_jobs(redis_url: str, served_name: str) -> None:
 
     client = redis.Redis.from_url(redis_url)
     try:
-        client.delete(*(keys.job_stream(served_name, role)
-                        for role in ("aggregated", "prefill", "decode")))
+        client.delete(
+            *(keys.job_stream(served_name, role) for role in ("aggregated", "prefill", "decode"))
+        )
     finally:
         client.close()
 
@@ -211,5 +258,7 @@ def kv_transfers(redis_url: str, served_name: str) -> tuple[int, float]:
     finally:
         client.close()
     decoders = [w for w in workers if w.get("model") == served_name and w.get("role") == "decode"]
-    return (sum(int(w.get("kv_transfers", 0)) for w in decoders),
-            sum(float(w.get("kv_transfer_s", 0.0)) for w in decoders))
+    return (
+        sum(int(w.get("kv_transfers", 0)) for w in decoders),
+        sum(float(w.get("kv_transfer_s", 0.0)) for w in decoders),
+    )

@@ -37,8 +37,14 @@ from bench.servers import conveyor_server, running
 TOPOLOGIES = {
     "aggregated, raw images": ["--mode", "aggregated"],
     "encode -> aggregated": ["--mode", "aggregated", "--encode", "true"],
-    "encode -> prefill -> decode": ["--mode", "disaggregated", "--encode", "true",
-                                    "--disagg-min-prompt-tokens", "0"],
+    "encode -> prefill -> decode": [
+        "--mode",
+        "disaggregated",
+        "--encode",
+        "true",
+        "--disagg-min-prompt-tokens",
+        "0",
+    ],
 }
 
 
@@ -84,10 +90,19 @@ class Row:
 
 def ttft_ms(client: httpx.Client, model: str, text: str, url: str, max_tokens: int) -> float:
     body = {
-        "model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-        "messages": [{"role": "user", "content": [
-            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}},
-        ]}],
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
     }
     started = time.perf_counter()
     first: float | None = None
@@ -102,30 +117,57 @@ def ttft_ms(client: httpx.Client, model: str, text: str, url: str, max_tokens: i
     return (first - started) * 1000
 
 
-def measure(name: str, flags: list[str], args: argparse.Namespace, model: Path,
-            base: str, log_dir: Path, db: int) -> Row:
+def measure(
+    name: str,
+    flags: list[str],
+    args: argparse.Namespace,
+    model: Path,
+    base: str,
+    log_dir: Path,
+    db: int,
+) -> Row:
     import os
 
-    server = conveyor_server(model, "bench-vl", f"redis://127.0.0.1:6379/{db}", "float32", 16,
-                             log_dir / name.replace(" ", "_").replace(">", ""))
+    server = conveyor_server(
+        model,
+        "bench-vl",
+        f"redis://127.0.0.1:6379/{db}",
+        "float32",
+        16,
+        log_dir / name.replace(" ", "_").replace(">", ""),
+    )
     server.command += flags
     server.env = {**os.environ, "CONVEYOR_IMAGE_PRIVATE_NETWORKS": "127.0.0.1/32"}
     cold: list[float] = []
     warm: list[float] = []
-    with running(server, 900), httpx.Client(base_url=server.base_url, timeout=300,
-                                            trust_env=False) as client:
+    with (
+        running(server, 900),
+        httpx.Client(base_url=server.base_url, timeout=300, trust_env=False) as client,
+    ):
         words = ["tell", "me", "about", "this", "picture", "please"]
         ttft_ms(client, "bench-vl", "warm up", f"{base}/warmup.png", args.output_tokens)
         for i in range(args.requests):
-            cold.append(ttft_ms(client, "bench-vl", f"{words[i % 6]} {i}", f"{base}/{i}.png",
-                                args.output_tokens))
+            cold.append(
+                ttft_ms(
+                    client, "bench-vl", f"{words[i % 6]} {i}", f"{base}/{i}.png", args.output_tokens
+                )
+            )
         for i in range(args.requests):
-            warm.append(ttft_ms(client, "bench-vl", f"again {i} {words[(i + 3) % 6]}",
-                                f"{base}/{i}.png", args.output_tokens))
+            warm.append(
+                ttft_ms(
+                    client,
+                    "bench-vl",
+                    f"again {i} {words[(i + 3) % 6]}",
+                    f"{base}/{i}.png",
+                    args.output_tokens,
+                )
+            )
         time.sleep(1.5)  # the encode worker's next heartbeat carries the last counts
         hits = _cache_hits(f"redis://127.0.0.1:6379/{db}")
-    print(f"  {name}: cold p50 {percentile(cold, 50):.1f} ms, warm p50 "
-          f"{percentile(warm, 50):.1f} ms", flush=True)
+    print(
+        f"  {name}: cold p50 {percentile(cold, 50):.1f} ms, warm p50 {percentile(warm, 50):.1f} ms",
+        flush=True,
+    )
     return Row(name, cold, warm, hits)
 
 
@@ -149,16 +191,26 @@ def _cache_hits(redis_url: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.vision", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.vision",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--kind", choices=["llava", "qwen2-vl"], default="llava")
-    parser.add_argument("--model", type=Path, help="a vision-language model folder "
-                        "(default: the generated tiny demo model of --kind)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a vision-language model folder (default: the generated tiny demo model of --kind)",
+    )
     parser.add_argument("--requests", type=int, default=12, help="images per phase")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--topology", action="append", choices=list(TOPOLOGIES),
-                        help="run only these (repeatable; default: all)")
+    parser.add_argument(
+        "--topology",
+        action="append",
+        choices=list(TOPOLOGIES),
+        help="run only these (repeatable; default: all)",
+    )
     args = parser.parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-vision-"))
     model = args.model
@@ -172,15 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     with picture_server(pictures) as base:
         for db, name in enumerate(args.topology or list(TOPOLOGIES), start=7):
             rows.append(measure(name, TOPOLOGIES[name], args, model, base, log_dir, db))
-    print(f"\nTTFT of image requests ({args.kind}, {args.image_size}x{args.image_size} PNG "
-          f"over HTTP, one at a time, {args.requests} per phase), ms")
-    print(f"{'topology':<30} {'cold p50':>9} {'cold p90':>9} {'warm p50':>9} {'warm p90':>9} "
-          f"{'cache hits':>10}")
+    print(
+        f"\nTTFT of image requests ({args.kind}, {args.image_size}x{args.image_size} PNG "
+        f"over HTTP, one at a time, {args.requests} per phase), ms"
+    )
+    print(
+        f"{'topology':<30} {'cold p50':>9} {'cold p90':>9} {'warm p50':>9} {'warm p90':>9} "
+        f"{'cache hits':>10}"
+    )
     for row in rows:
         hits = "-" if row.cache_hits is None else str(row.cache_hits)
-        print(f"{row.topology:<30} {percentile(row.cold_ms, 50):>9.1f} "
-              f"{percentile(row.cold_ms, 90):>9.1f} {percentile(row.warm_ms, 50):>9.1f} "
-              f"{percentile(row.warm_ms, 90):>9.1f} {hits:>10}")
+        print(
+            f"{row.topology:<30} {percentile(row.cold_ms, 50):>9.1f} "
+            f"{percentile(row.cold_ms, 90):>9.1f} {percentile(row.warm_ms, 50):>9.1f} "
+            f"{percentile(row.warm_ms, 90):>9.1f} {hits:>10}"
+        )
     print(f"logs: {log_dir}")
     return 0
 

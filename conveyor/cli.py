@@ -48,8 +48,9 @@ def _add_setting_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo
     env = "CONVEYOR_" + name.upper()
     help_text = f"{info.description or ''} [env {env}; default {info.default}]"
     if info.annotation is bool:  # `--encode` alone means true; `--encode false` works too
-        group.add_argument(flag, dest=name, default=None, help=help_text, metavar="BOOL",
-                           nargs="?", const="true")
+        group.add_argument(
+            flag, dest=name, default=None, help=help_text, metavar="BOOL", nargs="?", const="true"
+        )
         return
     group.add_argument(flag, dest=name, default=None, help=help_text, metavar="VALUE")
 
@@ -64,12 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
 
             command.add_argument("path", type=Path)
             command.add_argument("--seed", type=int, default=0)
-            command.add_argument("--kind", choices=(*KINDS, "lora"), default="llama",
-                                 help="text (llama), vision-language (llava, qwen2-vl), or a "
-                                 "random LoRA adapter (lora) for the model folder --base")
-            command.add_argument("--base", type=Path, default=None,
-                                 help="--kind lora: the Llama-family model folder the adapter "
-                                 "is for (default: the demo model, generated if missing)")
+            command.add_argument(
+                "--kind",
+                choices=(*KINDS, "lora"),
+                default="llama",
+                help="text (llama), vision-language (llava, qwen2-vl), or a "
+                "random LoRA adapter (lora) for the model folder --base",
+            )
+            command.add_argument(
+                "--base",
+                type=Path,
+                default=None,
+                help="--kind lora: the Llama-family model folder the adapter "
+                "is for (default: the demo model, generated if missing)",
+            )
         else:
             _add_setting_flags(command)
     from conveyor.admin_cli import add_admin_commands
@@ -187,18 +196,26 @@ def run_up(settings: Settings) -> int:
 
         kind = demo_kind(settings)
         path = write_demo_model(settings.demo_model_path(kind), kind=kind)
-        settings = settings.model_copy(update={"model": str(path.resolve()),
-                                               "served_model_name": settings.served_name()})
+        settings = settings.model_copy(
+            update={"model": str(path.resolve()), "served_model_name": settings.served_name()}
+        )
         log.warning(DEMO_MODEL_NOTICE)
     env = child_env(_settings_env(settings))
     supervisor = Supervisor()
     command = _conveyor_command()
     roles = worker_roles(settings)
     try:
-        for number, (role, worker_env) in enumerate(zip(roles, worker_envs(settings, roles, env),
-                                                        strict=True)):
-            supervisor.add(Child(f"{role}-{number}", [*command, "worker", "--role", role],
-                                 worker_env, on_exit=_forget_worker(settings.redis_url)))
+        for number, (role, worker_env) in enumerate(
+            zip(roles, worker_envs(settings, roles, env), strict=True)
+        ):
+            supervisor.add(
+                Child(
+                    f"{role}-{number}",
+                    [*command, "worker", "--role", role],
+                    worker_env,
+                    on_exit=_forget_worker(settings.redis_url),
+                )
+            )
         supervisor.add(Child("gateway", [*command, "gateway"], env))
         return supervisor.run(tick=ReadyAnnouncer(settings))
     finally:
@@ -267,8 +284,11 @@ class ReadyAnnouncer:
             return
         if ready:
             self._done = True
-            log.info("Conveyor is ready: %s/v1 serving model %r. Ctrl-C stops everything.",
-                     self._url, self._model)
+            log.info(
+                "Conveyor is ready: %s/v1 serving model %r. Ctrl-C stops everything.",
+                self._url,
+                self._model,
+            )
 
 
 if __name__ == "__main__":

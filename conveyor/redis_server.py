@@ -14,15 +14,22 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
-DURABLE_OPTIONS = ["--appendonly", "yes", "--appendfsync", "everysec",
-                   "--maxmemory-policy", "noeviction"]
+DURABLE_OPTIONS = [
+    "--appendonly",
+    "yes",
+    "--appendfsync",
+    "everysec",
+    "--maxmemory-policy",
+    "noeviction",
+]
 """Jobs survive a Redis restart only with AOF on and nothing evicted (DESIGN.md 3)."""
 
 
 def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s,
-                                      socket_timeout=timeout_s)
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
         try:
             return bool(client.ping())
         finally:
@@ -43,8 +50,20 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
     folder = (data_dir / "redis").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    command = [binary, "--bind", host, "--port", str(port), "--dir", str(folder),
-               "--save", "", "--logfile", str(folder / "redis.log"), *DURABLE_OPTIONS]
+    command = [
+        binary,
+        "--bind",
+        host,
+        "--port",
+        str(port),
+        "--dir",
+        str(folder),
+        "--save",
+        "",
+        "--logfile",
+        str(folder / "redis.log"),
+        *DURABLE_OPTIONS,
+    ]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -106,8 +106,10 @@ def main(argv: list[str]) -> int:
     bad = violations(found)
     for edge in bad:
         where = edge.path.relative_to(root)
-        print(f"UPWARD IMPORT {where}:{edge.line}: {edge.source} ({layer_of(edge.source)}) "
-              f"imports {edge.target} ({layer_of(edge.target)})")
+        print(
+            f"UPWARD IMPORT {where}:{edge.line}: {edge.source} ({layer_of(edge.source)}) "
+            f"imports {edge.target} ({layer_of(edge.target)})"
+        )
     print(f"{len(bad)} upward import(s)")
     return 1 if bad else 0
 

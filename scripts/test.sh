@@ -9,6 +9,7 @@ BIN=.venv/bin
 
 echo "== ruff"
 "$BIN/ruff" check .
+"$BIN/ruff" format --check gateway workers shared conveyor bench tests scripts
 echo "== mypy (strict)"
 "$BIN/mypy"
 echo "== pytest"

@@ -123,8 +123,7 @@ class Lifecycle:
 
     def engine_died(self) -> None:
         if not self.engine_dead:
-            log.error("engine is dead; handing jobs back and stopping worker %s",
-                      self._worker_id)
+            log.error("engine is dead; handing jobs back and stopping worker %s", self._worker_id)
         self.engine_dead = True
         self.stop(immediate=True)
 
@@ -132,8 +131,11 @@ class Lifecycle:
         """Done-callback of the journal's task: a journal that gave up stops the worker."""
         if task.cancelled():
             return
-        log.error("the run journal stopped (%s): Redis is unreachable; exiting so other "
-                  "workers reclaim this worker's jobs", task.exception())
+        log.error(
+            "the run journal stopped (%s): Redis is unreachable; exiting so other "
+            "workers reclaim this worker's jobs",
+            task.exception(),
+        )
         self.journal_failed = True
         self.stop(immediate=True)
 

@@ -1,4 +1,4 @@
-"""Wiring a worker: its policy from :class:`Settings`, and its units built from what they need.
+"""Wiring a worker: its policy from :class:`WorkerSettings`, its units from what they need.
 
 :func:`build_worker` is the one place that constructs the units of a worker and
 passes each its collaborators (see :mod:`workers.runtime` for how they run). Tests
@@ -16,7 +16,7 @@ from shared import keys
 from shared.job_queue import JobQueue, JobStream
 from shared.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
-from shared.settings import Settings
+from shared.settings import WorkerSettings
 from workers.active_jobs import ActiveJobs, Lifecycle
 from workers.adapters import AdapterReconciler, AdapterTiming
 from workers.canary import Canary
@@ -42,7 +42,7 @@ from workers.runtime import WorkerRuntime
 
 @dataclass(frozen=True, slots=True)
 class WorkerPolicy:
-    """A worker's limits and timeouts: always built from :class:`Settings`."""
+    """A worker's limits and timeouts: always built from :class:`WorkerSettings`."""
 
     max_slots: int
     heartbeat_ttl_s: float
@@ -55,7 +55,7 @@ class WorkerPolicy:
     gateway_grace_s: float
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WorkerPolicy:
+    def from_settings(cls, settings: WorkerSettings) -> WorkerPolicy:
         return cls(
             max_slots=settings.worker_max_slots,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
@@ -101,53 +101,87 @@ def build_worker(
     registry = WorkerRegistry(redis, ttl_s=policy.heartbeat_ttl_s)
     jobs = ActiveJobs(policy.max_slots)
     lifecycle = Lifecycle(worker_id, jobs)
-    journal = RunJournal(redis, consumer=worker_id, on_fenced=jobs.fence, scripts=scripts,
-                         retry_for_s=timing.journal_retry_s)
+    journal = RunJournal(
+        redis,
+        consumer=worker_id,
+        on_fenced=jobs.fence,
+        scripts=scripts,
+        retry_for_s=timing.journal_retry_s,
+    )
     recent = recent_cancels or RecentCancels()
     gateways = GatewayWatch(redis, grace_s=policy.gateway_grace_s)
     canary = Canary(parts.probe, idle_s=policy.canary_idle_s)
     consumer = JobConsumer(
         reader=JobReader(queue, streams, worker_id, policy.read_block_ms),
         journal=journal,
-        intake=Intake(redis, IntakePolicy(policy.max_deliveries, policy.migration_limit),
-                      gateways),
+        intake=Intake(redis, IntakePolicy(policy.max_deliveries, policy.migration_limit), gateways),
         jobs=jobs,
         lifecycle=lifecycle,
         new_run=parts.new_run,
         recent_cancels=recent,
         on_start=canary.note_activity,
     )
-    adapters = AdapterReconciler(redis=redis, model=model, role=role, adapters=parts.adapters,
-                                 off_reason=parts.adapters_off, streams=consumer,
-                                 timing=timing.adapters)
-    control = WorkerControl(redis, worker_id=worker_id, lifecycle=lifecycle, consumer=consumer,
-                            jobs=jobs, admin=parts.admin)
-    status = WorkerStatus(worker_id=worker_id, role=role, parts=parts, jobs=jobs,
-                          lifecycle=lifecycle, canary=canary, adapters=adapters)
-    thread = None if heartbeat_redis_url is None else HeartbeatThread(
-        heartbeat_redis_url,
-        keys.worker_heartbeat(worker_id),
-        policy.heartbeat_ttl_s,
-        lambda: registry.encode(status()),
+    adapters = AdapterReconciler(
+        redis=redis,
+        model=model,
+        role=role,
+        adapters=parts.adapters,
+        off_reason=parts.adapters_off,
+        streams=consumer,
+        timing=timing.adapters,
+    )
+    control = WorkerControl(
+        redis,
+        worker_id=worker_id,
+        lifecycle=lifecycle,
+        consumer=consumer,
+        jobs=jobs,
+        admin=parts.admin,
+    )
+    status = WorkerStatus(
+        worker_id=worker_id,
+        role=role,
+        parts=parts,
+        jobs=jobs,
+        lifecycle=lifecycle,
+        canary=canary,
+        adapters=adapters,
+    )
+    thread = (
+        None
+        if heartbeat_redis_url is None
+        else HeartbeatThread(
+            heartbeat_redis_url,
+            keys.worker_heartbeat(worker_id),
+            policy.heartbeat_ttl_s,
+            lambda: registry.encode(status()),
+        )
     )
     janitor = Janitor(
         jobs=jobs,
         lifecycle=lifecycle,
         journal=journal,
-        reclaimer=Reclaimer(queue=queue, registry=registry, streams=streams,
-                            worker_id=worker_id, claim_idle_ms=policy.claim_idle_ms,
-                            start=consumer.start_all),
+        reclaimer=Reclaimer(
+            queue=queue,
+            registry=registry,
+            streams=streams,
+            worker_id=worker_id,
+            claim_idle_ms=policy.claim_idle_ms,
+            start=consumer.start_all,
+        ),
         gateways=gateways,
         stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),
         timing=JanitorTiming(timing.janitor_s, timing.orphan_check_s, policy.heartbeat_ttl_s),
     )
     helpers = {
         "heartbeat": Heartbeat(registry, status, thread).run,
-        "control": CancelListener(redis, recent=recent, cancel_request=jobs.cancel_request,
-                                  on_command=control.handle).run,
+        "control": CancelListener(
+            redis, recent=recent, cancel_request=jobs.cancel_request, on_command=control.handle
+        ).run,
         "adapters": adapters.run,
-        "engine-monitor": EngineMonitor(parts.engine, interval_s=timing.health_check_s,
-                                        on_dead=lifecycle.engine_died).run,
+        "engine-monitor": EngineMonitor(
+            parts.engine, interval_s=timing.health_check_s, on_dead=lifecycle.engine_died
+        ).run,
         "janitor": janitor.run,
         "canary": lambda: canary.run(lifecycle.busy),
     }

@@ -99,8 +99,11 @@ class JobConsumer:
     async def run(self) -> None:
         """Read and start jobs until the worker stops."""
         backoff = Backoff(READ_RETRY_S, READ_RETRY_S)
-        log.info("worker %s reading %s", self._reader.consumer,
-                 [stream.name for stream in self._reader.streams])
+        log.info(
+            "worker %s reading %s",
+            self._reader.consumer,
+            [stream.name for stream in self._reader.streams],
+        )
         while not self._lifecycle.stopping:
             if self._lifecycle.paused:
                 await self._lifecycle.wait_unpaused()
@@ -148,12 +151,20 @@ class JobConsumer:
                 )
             except RedisError as exc:
                 if self._lifecycle.stopping:
-                    log.warning("could not start %d jobs (%s) while stopping; they go to "
-                                "another worker once this one has left", len(deliveries), exc)
+                    log.warning(
+                        "could not start %d jobs (%s) while stopping; they go to "
+                        "another worker once this one has left",
+                        len(deliveries),
+                        exc,
+                    )
                     return
                 delay = backoff.next_delay()
-                log.warning("could not start %d jobs (%s); trying again in %.2fs",
-                            len(deliveries), exc, delay)
+                log.warning(
+                    "could not start %d jobs (%s); trying again in %.2fs",
+                    len(deliveries),
+                    exc,
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 continue
             for lease, why_gone in zip(leases, gone, strict=True):
@@ -172,8 +183,12 @@ class JobConsumer:
             run.fail(decision.error)
             return
         if lease.attempt:
-            log.info("job %s resumes after %d tokens (attempt %d)", lease.job_id,
-                     len(lease.emitted), lease.attempt)
+            log.info(
+                "job %s resumes after %d tokens (attempt %d)",
+                lease.job_id,
+                len(lease.emitted),
+                lease.attempt,
+            )
         # A cancel published while this job was being leased found nothing to cancel:
         # catch it here, where no await separates the check from the registration.
         if self._recent_cancels.holds(lease.delivery.job.request_id):

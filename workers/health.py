@@ -1,13 +1,15 @@
 """A worker's health, as others see it and as it checks itself.
 
 * :class:`WorkerStatus` builds the registry entry (role, model, load, readiness,
-  KV and cache telemetry) that the heartbeat writes.
+  KV and cache telemetry, LoRA adapters) that the heartbeat writes.
 * :class:`Heartbeat` keeps that entry alive: from a
   :class:`~shared.liveness.HeartbeatThread` in production, from the event loop
   when there is none (tests on fakeredis).
 * :class:`EngineMonitor` asks the engine for its health every few seconds; a dead
   engine stops the worker (its jobs are handed back, it exits non-zero).
-* The idle canary (:class:`workers.canary.Canary`) sets ``ready``.
+* ``ready`` is the idle canary's verdict (:class:`workers.canary.Canary`), and never
+  before the LoRA reconciler's first pass has loaded the registered adapters
+  (:mod:`workers.adapters`).
 """
 
 from __future__ import annotations

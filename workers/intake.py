@@ -62,8 +62,7 @@ class Intake:
             replies = await pipe.execute()
         return [
             self._gone(job, bool(cancelled), bool(gateway_alive))
-            for job, cancelled, gateway_alive in zip(jobs, replies[::2], replies[1::2],
-                                                     strict=True)
+            for job, cancelled, gateway_alive in zip(jobs, replies[::2], replies[1::2], strict=True)
         ]
 
     def _gone(self, job: Job, cancelled: bool, gateway_alive: bool) -> str | None:

@@ -87,12 +87,19 @@ class Reclaimer:
             deliveries = []
             if dead:
                 deliveries = await self._queue.reclaim(
-                    stream, self._worker_id, min_idle_ms=self._claim_idle_ms,
-                    count=free, from_consumers=dead,
+                    stream,
+                    self._worker_id,
+                    min_idle_ms=self._claim_idle_ms,
+                    count=free,
+                    from_consumers=dead,
                 )
             if deliveries:
-                log.warning("reclaimed %d jobs of dead workers %s from %s",
-                            len(deliveries), sorted(dead), stream.name)
+                log.warning(
+                    "reclaimed %d jobs of dead workers %s from %s",
+                    len(deliveries),
+                    sorted(dead),
+                    stream.name,
+                )
                 await self._start(deliveries)
                 continue
             await self._safety_net(stream, free)
@@ -102,12 +109,21 @@ class Reclaimer:
         # live or not (renewals happen every 0.5 s). It must never be what serves a
         # request: when it fires, something upstream lost a job.
         stale = await self._queue.reclaim(
-            stream, self._worker_id, min_idle_ms=STALE_ENTRY_MS, count=free, include_own=True,
+            stream,
+            self._worker_id,
+            min_idle_ms=STALE_ENTRY_MS,
+            count=free,
+            include_own=True,
         )
         if stale:
-            log.error("%s: %d jobs on %s sat %ds with no live owner working on them "
-                      "(a bug: a delivery was lost); restarting them", SAFETY_NET_LOG,
-                      len(stale), stream.name, STALE_ENTRY_MS // 1000)
+            log.error(
+                "%s: %d jobs on %s sat %ds with no live owner working on them "
+                "(a bug: a delivery was lost); restarting them",
+                SAFETY_NET_LOG,
+                len(stale),
+                stream.name,
+                STALE_ENTRY_MS // 1000,
+            )
             await self._start(stale)
 
     async def _dead_consumers(self, stream: JobStream) -> set[str]:
@@ -149,8 +165,11 @@ class Janitor:
                 # beat again before calling anyone dead.
                 if self._stalled(time.monotonic() - previous_start):
                     hold_reclaim_until = time.monotonic() + self._timing.hold_after_stall_s
-                    log.warning("Redis or this worker stalled; no reclaim for %.1fs while "
-                                "heartbeats resume", self._timing.hold_after_stall_s)
+                    log.warning(
+                        "Redis or this worker stalled; no reclaim for %.1fs while "
+                        "heartbeats resume",
+                        self._timing.hold_after_stall_s,
+                    )
                 taking_jobs = not (self._lifecycle.stopping or self._lifecycle.paused)
                 if taking_jobs and time.monotonic() >= hold_reclaim_until:
                     await self._reclaimer.reclaim(self._jobs.free)

@@ -285,11 +285,17 @@ class RunJournal:
         """Renew the claim on every lease still ours; returns the job ids lost."""
         if not leases:
             return []
-        header = RefreshHeader(consumer=self._consumer, group=keys.JOB_GROUP,
-                               ttl_ms=self._run_ttl_ms)
+        header = RefreshHeader(
+            consumer=self._consumer, group=keys.JOB_GROUP, ttl_ms=self._run_ttl_ms
+        )
         rows = [
-            RefreshRow(run=lease.run_key, emitted=lease.emitted_key, fence=lease.fence,
-                       stream=lease.delivery.stream, entry=lease.delivery.entry_id)
+            RefreshRow(
+                run=lease.run_key,
+                emitted=lease.emitted_key,
+                fence=lease.fence,
+                stream=lease.delivery.stream,
+                entry=lease.delivery.entry_id,
+            )
             for lease in leases
         ]
         lost = await self._scripts.refresh(header, rows)

@@ -20,6 +20,7 @@ from redis.asyncio.client import Pipeline
 
 def lua_locals(fields: Sequence[str], offset: str | int = 0) -> str:
     """``local a, b = ARGV[offset + 1], ARGV[offset + 2]``: one row's fields as Lua locals."""
+
     def at(n: int) -> str:
         return f"ARGV[{n}]" if offset == 0 else f"ARGV[{offset} + {n}]"
 

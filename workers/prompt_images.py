@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from shared.media_store import DecodedImages, EmbeddingStore, ImageStore, embedding_store
 from shared.protocol import GenerateJob
-from shared.settings import Settings
+from shared.settings import ImageSettings
 from workers.engines.base import PromptImages
 from workers.engines.vision_encoder import ImageEmbedding
 
@@ -27,7 +27,7 @@ class PromptImageLoader:
         self._decoded = DecodedImages(images, DECODED_CACHE_BYTES)
 
     @classmethod
-    def connect(cls, settings: Settings, redis: aioredis.Redis) -> PromptImageLoader:
+    def connect(cls, settings: ImageSettings, redis: aioredis.Redis) -> PromptImageLoader:
         """Images from the gateway's store, embeddings from the configured transport."""
         return cls(ImageStore(redis), embedding_store(settings.embedding_transport, redis))
 

@@ -39,14 +39,18 @@ class Report:
     def row(self) -> str:
         pause = "-" if self.longest_pause_s is None else f"{self.longest_pause_s:.2f}"
         recovery = "-" if self.recovery_s is None else f"{self.recovery_s:.2f}"
-        return (f"| {self.scenario} | {self.sent} | {self.completed} | {self.failed_clean} | "
-                f"{self.rejected} | {self.hung} | {self.tokens_lost} | {self.tokens_duplicated} | "
-                f"{self.seq_gaps} | {self.identical_pct:.0f}% | {pause} | {recovery} |")
+        return (
+            f"| {self.scenario} | {self.sent} | {self.completed} | {self.failed_clean} | "
+            f"{self.rejected} | {self.hung} | {self.tokens_lost} | {self.tokens_duplicated} | "
+            f"{self.seq_gaps} | {self.identical_pct:.0f}% | {pause} | {recovery} |"
+        )
 
 
-HEADER = ("| scenario | sent | completed | failed (clean error) | rejected (429/503) | hung | "
-          "tokens lost | tokens duplicated | seq gaps | identical to fault-free | "
-          "longest pause s | recovery s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| scenario | sent | completed | failed (clean error) | rejected (429/503) | hung | "
+    "tokens lost | tokens duplicated | seq gaps | identical to fault-free | "
+    "longest pause s | recovery s |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def check(

@@ -42,10 +42,27 @@ class Cluster:
         folder.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server") or "redis-server"
         self.redis_process = subprocess.Popen(
-            [binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir",
-             str(folder), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-             "--maxmemory-policy", "noeviction", "--enable-debug-command", "local",
-             "--logfile", str(folder / "redis.log")],
+            [
+                binary,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(folder),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--maxmemory-policy",
+                "noeviction",
+                "--enable-debug-command",
+                "local",
+                "--logfile",
+                str(folder / "redis.log"),
+            ],
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -102,7 +119,8 @@ class Cluster:
         """Names of worker processes that are alive, registered and not draining."""
         registered = [w for w in self.live_workers() if not w.get("draining")]
         return [
-            name for name, process in self.workers.items()
+            name
+            for name, process in self.workers.items()
             if process.popen.poll() is None
             and any(f"-{process.popen.pid}-" in str(w["worker_id"]) for w in registered)
         ]

@@ -28,8 +28,9 @@ class Record:
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[1, *(rng.randrange(10, 4000) for _ in range(rng.randrange(8, 40)))]
-            for _ in range(count)]
+    return [
+        [1, *(rng.randrange(10, 4000) for _ in range(rng.randrange(8, 40)))] for _ in range(count)
+    ]
 
 
 async def stream_one(
@@ -43,8 +44,15 @@ async def stream_one(
     disconnect_after: int | None = None,
 ) -> Record:
     record = Record(prompt_index, sent_at=time.monotonic())
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
@@ -109,7 +117,14 @@ async def run_load(
             if rng.random() < disconnect_fraction:
                 disconnect = rng.randrange(0, max_tokens)
             async with gate:
-                return await stream_one(client, base_url, index, prompt, max_tokens=max_tokens,
-                                        timeout_s=timeout_s, disconnect_after=disconnect)
+                return await stream_one(
+                    client,
+                    base_url,
+                    index,
+                    prompt,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout_s,
+                    disconnect_after=disconnect,
+                )
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_list))))

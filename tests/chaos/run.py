@@ -24,8 +24,7 @@ async def run_all(cluster: Cluster, names: list[str], with_load_shapes: bool) ->
     reports = []
     for name in names:
         started = time.monotonic()
-        report = await scenarios.run_with_fault(cluster, name, scenarios.SCENARIOS[name],
-                                                reference)
+        report = await scenarios.run_with_fault(cluster, name, scenarios.SCENARIOS[name], reference)
         cluster.wait_workers(len(cluster.workers))
         print(report.row(), f"({time.monotonic() - started:.0f}s)", flush=True)
         reports.append(report)

@@ -25,8 +25,13 @@ Fault = Callable[[Cluster], Awaitable[None]]
 
 
 async def baseline(cluster: Cluster) -> dict[int, list[int]]:
-    records = await run_load(cluster.base_url, prompts(REQUESTS), max_tokens=MAX_TOKENS,
-                             concurrency=CONCURRENCY, timeout_s=LOAD_TIMEOUT_S)
+    records = await run_load(
+        cluster.base_url,
+        prompts(REQUESTS),
+        max_tokens=MAX_TOKENS,
+        concurrency=CONCURRENCY,
+        timeout_s=LOAD_TIMEOUT_S,
+    )
     bad = [r for r in records if r.status != "completed"]
     if bad:
         raise RuntimeError(f"baseline had failures: {[(r.status, r.error) for r in bad][:3]}")
@@ -36,9 +41,15 @@ async def baseline(cluster: Cluster) -> dict[int, list[int]]:
 async def run_with_fault(
     cluster: Cluster, name: str, fault: Fault, reference: dict[int, list[int]]
 ) -> Report:
-    load = asyncio.create_task(run_load(cluster.base_url, prompts(REQUESTS),
-                                        max_tokens=MAX_TOKENS, concurrency=CONCURRENCY,
-                                        timeout_s=LOAD_TIMEOUT_S))
+    load = asyncio.create_task(
+        run_load(
+            cluster.base_url,
+            prompts(REQUESTS),
+            max_tokens=MAX_TOKENS,
+            concurrency=CONCURRENCY,
+            timeout_s=LOAD_TIMEOUT_S,
+        )
+    )
     await _until_every_worker_streams(cluster)
     fault_at = time.monotonic()
     await fault(cluster)
@@ -73,8 +84,10 @@ RESTART_DELAY_S = 1.0
 def _busiest_worker(cluster: Cluster) -> str:
     loads = {str(w["worker_id"]): int(str(w["active"])) for w in cluster.live_workers()}
     pids = {name: p.popen.pid for name, p in cluster.workers.items() if p.popen.poll() is None}
-    best = max(pids, key=lambda name: next(
-        (load for wid, load in loads.items() if f"-{pids[name]}-" in wid), 0))
+    best = max(
+        pids,
+        key=lambda name: next((load for wid, load in loads.items() if f"-{pids[name]}-" in wid), 0),
+    )
     return best
 
 
@@ -156,15 +169,26 @@ OUTAGE_S: dict[str, float] = {
 
 
 async def disconnect_storm(cluster: Cluster, requests: int = 1000) -> Report:
-    records = await run_load(cluster.base_url, prompts(requests, seed=1), max_tokens=16,
-                             concurrency=64, disconnect_fraction=0.5, seed=1)
+    records = await run_load(
+        cluster.base_url,
+        prompts(requests, seed=1),
+        max_tokens=16,
+        concurrency=64,
+        disconnect_fraction=0.5,
+        seed=1,
+    )
     return check("client disconnect storm", records, {}, None)
 
 
 async def overload(cluster: Cluster, factor: int = 10) -> Report:
     capacity = 32 * len(cluster.workers)
-    records = await run_load(cluster.base_url, prompts(capacity * factor, seed=2),
-                             max_tokens=32, concurrency=capacity * factor, timeout_s=180)
+    records = await run_load(
+        cluster.base_url,
+        prompts(capacity * factor, seed=2),
+        max_tokens=32,
+        concurrency=capacity * factor,
+        timeout_s=180,
+    )
     return check(f"{factor}x overload", records, {}, None)
 
 
@@ -182,8 +206,9 @@ async def leftovers(cluster: Cluster, timeout_s: float = 15.0) -> dict[str, int]
                 "queued_or_running": int(client.xlen(stream)),
                 "pending_entries": int(client.xpending(stream, keys.JOB_GROUP)["pending"]),
                 "run_journals": len(list(client.scan_iter(keys.RUN_PATTERN))),
-                "engine_requests": sum(int(str(w["engine_running"]))
-                                       for w in cluster.live_workers()),
+                "engine_requests": sum(
+                    int(str(w["engine_running"])) for w in cluster.live_workers()
+                ),
                 "worker_jobs": sum(int(str(w["active"])) for w in cluster.live_workers()),
             }
         finally:

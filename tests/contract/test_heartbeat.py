@@ -52,8 +52,9 @@ async def test_beats_through_a_blocked_event_loop(client: redis.Redis) -> None:
 
 async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
     key = f"test:heartbeat:{uuid.uuid4().hex}"
-    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive",
-                             loop_stall_limit_s=0.5)
+    beater = HeartbeatThread(
+        REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive", loop_stall_limit_s=0.5
+    )
     task = asyncio.create_task(beater.run())
     await beaten(beater)
     assert client.get(key) == b"alive"

@@ -273,8 +273,13 @@ async def refused_connections() -> None:
     block_s, outage_s = 0.1, 0.3
     limit = block_s + outage_s
     redis = aioredis.Redis(port=closed_port(), socket_connect_timeout=0.2, socket_timeout=0.5)
-    rt = ReplyRouter(redis, REPLY, block_ms=int(block_s * 1000), outage_limit_s=outage_s,
-                     watchdog_tick_s=WATCHDOG_TICK_S)
+    rt = ReplyRouter(
+        redis,
+        REPLY,
+        block_ms=int(block_s * 1000),
+        outage_limit_s=outage_s,
+        watchdog_tick_s=WATCHDOG_TICK_S,
+    )
     first, second = rt.open("r1"), rt.open("r2")
     try:
         async with running(rt.run(), "reply-router"):
@@ -298,8 +303,13 @@ async def outage_then_recovery() -> None:
     flaky = _Flaky(backend, down=True)
     block_s, outage_s = 0.1, 0.3
     limit = block_s + outage_s
-    rt = ReplyRouter(flaky, REPLY, block_ms=int(block_s * 1000), outage_limit_s=outage_s,  # type: ignore[arg-type]
-                     watchdog_tick_s=WATCHDOG_TICK_S)
+    rt = ReplyRouter(
+        flaky,
+        REPLY,
+        block_ms=int(block_s * 1000),
+        outage_limit_s=outage_s,  # type: ignore[arg-type]
+        watchdog_tick_s=WATCHDOG_TICK_S,
+    )
     queue = rt.open("r1")
     async with running(rt.run(), "reply-router"):
         await expect_interrupted(queue, not_before_s=limit, within_s=limit + WATCHDOG_TICK_S + 1.0)
@@ -318,8 +328,13 @@ async def brief_outage() -> None:
     backend = FakeRedis()
     flaky = _Flaky(backend)
     block_s, outage_s = 0.1, 3.0
-    rt = ReplyRouter(flaky, REPLY, block_ms=int(block_s * 1000), outage_limit_s=outage_s,  # type: ignore[arg-type]
-                     watchdog_tick_s=WATCHDOG_TICK_S)
+    rt = ReplyRouter(
+        flaky,
+        REPLY,
+        block_ms=int(block_s * 1000),
+        outage_limit_s=outage_s,  # type: ignore[arg-type]
+        watchdog_tick_s=WATCHDOG_TICK_S,
+    )
     queue = rt.open("r1")
     async with running(rt.run(), "reply-router"):
         await send(backend, tok("r1", 0))

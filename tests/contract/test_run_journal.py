@@ -129,7 +129,10 @@ class Journal:
         self.fenced: list[str] = []
         self.scripts = FaultyScripts(redis)
         self.journal = RunJournal(
-            redis, consumer=consumer, on_fenced=self.fenced.append, scripts=self.scripts,
+            redis,
+            consumer=consumer,
+            on_fenced=self.fenced.append,
+            scripts=self.scripts,
             **options,
         )
         self.task: asyncio.Task[None] | None = None

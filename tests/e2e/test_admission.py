@@ -77,10 +77,10 @@ def test_no_live_worker_gives_503(orphan_gateway: str) -> None:
 def test_idempotency_key_is_not_queued_twice(running: Running) -> None:
     body = {"model": running.model, "prompt": "hello", "max_tokens": 4}
     headers = {"Idempotency-Key": "e2e-idem-1"}
-    first = httpx.post(f"{running.base_url}/v1/completions", json=body, headers=headers,
-                       timeout=60)
-    second = httpx.post(f"{running.base_url}/v1/completions", json=body, headers=headers,
-                        timeout=60)
+    first = httpx.post(f"{running.base_url}/v1/completions", json=body, headers=headers, timeout=60)
+    second = httpx.post(
+        f"{running.base_url}/v1/completions", json=body, headers=headers, timeout=60
+    )
     assert first.status_code == 200
     assert second.status_code == 409
     assert second.json()["error"]["code"] == "idempotency_key_in_use"

@@ -47,10 +47,16 @@ def _assert_nothing_left(running: Running, timeout_s: float = 8.0) -> None:
 
 
 def test_stream_disconnect_aborts_the_engine_request(running: Running) -> None:
-    body = {"model": running.model, "prompt": "x", "max_tokens": 1500, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body,
-                      timeout=60) as response:
+    body = {
+        "model": running.model,
+        "prompt": "x",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{running.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
         for number, _ in enumerate(response.iter_lines()):
             if number > 6:
                 break

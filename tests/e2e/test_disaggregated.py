@@ -99,16 +99,23 @@ def _wait_for_roles(running: Running, roles: set[str], processes: list[Process])
 
 
 def _complete(base_url: str, model: str, prompt: list[int], **extra: object) -> dict[str, object]:
-    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return dict(response.json())
 
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG, LONGER], ids=["short", "2-blocks", "5-blocks"])
-def test_greedy_tokens_match_aggregated(pd: Disaggregated, running: Running,
-                                        prompt: list[int]) -> None:
+def test_greedy_tokens_match_aggregated(
+    pd: Disaggregated, running: Running, prompt: list[int]
+) -> None:
     ours = _complete(pd.base_url, PD_MODEL, prompt, logprobs=2)
     reference = _complete(running.base_url, running.model, prompt, logprobs=2)
     assert ours["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]  # type: ignore[index]
@@ -126,7 +133,7 @@ def test_long_prompt_goes_through_prefill(pd: Disaggregated) -> None:
 def test_stop_and_n_match_aggregated(pd: Disaggregated, running: Running) -> None:
     full = _complete(running.base_url, running.model, LONG)
     text = str(full["choices"][0]["text"])  # type: ignore[index]
-    stop = text[len(text) // 2:][:3]
+    stop = text[len(text) // 2 :][:3]
     ours = _complete(pd.base_url, PD_MODEL, LONG, stop=[stop], n=2)
     reference = _complete(running.base_url, running.model, LONG, stop=[stop], n=2)
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in reference["choices"]]  # type: ignore[attr-defined]
@@ -135,10 +142,19 @@ def test_stop_and_n_match_aggregated(pd: Disaggregated, running: Running) -> Non
 
 def test_stream_through_prefill_and_decode(pd: Disaggregated, running: Running) -> None:
     reference = _complete(running.base_url, running.model, LONG)
-    with httpx.stream("POST", f"{pd.base_url}/v1/completions", timeout=300, json={
-        "model": PD_MODEL, "prompt": LONG, "max_tokens": 24, "temperature": 0, "stream": True,
-        "return_token_ids": True,
-    }) as response:
+    with httpx.stream(
+        "POST",
+        f"{pd.base_url}/v1/completions",
+        timeout=300,
+        json={
+            "model": PD_MODEL,
+            "prompt": LONG,
+            "max_tokens": 24,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as response:
         import json
 
         tokens: list[int] = []
@@ -321,16 +337,30 @@ def test_client_disconnect_aborts_both_stages(pd: Disaggregated, running: Runnin
 FAULT_PROMPT = [1, *range(2200, 2500)]  # 301 tokens: goes through prefill
 
 
-def _stream_tokens(base_url: str, prompt: list[int], max_tokens: int,
-                   on_token: Callable[[int], None] = lambda count: None) -> list[int]:
+def _stream_tokens(
+    base_url: str,
+    prompt: list[int],
+    max_tokens: int,
+    on_token: Callable[[int], None] = lambda count: None,
+) -> list[int]:
     import json
 
     tokens: list[int] = []
     seqs: list[int] = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=600, json={
-        "model": PD_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "return_token_ids": True, "ignore_eos": True,
-    }) as response:
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/completions",
+        timeout=600,
+        json={
+            "model": PD_MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("id: "):
@@ -358,8 +388,9 @@ def _kill(process: Process) -> None:
 
 def _restart(running: Running, role: str) -> Process:
     env = {"CONVEYOR_SERVED_MODEL_NAME": PD_MODEL}
-    process = running.stack.start_worker(f"{role}-restarted-{time.monotonic_ns()}", role=role,
-                                         **env)
+    process = running.stack.start_worker(
+        f"{role}-restarted-{time.monotonic_ns()}", role=role, **env
+    )
     _RESTARTED.append(process)
     _wait_for_roles(running, {role}, [process])
     return process
@@ -388,8 +419,9 @@ def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 120) ->
 
 
 def test_decode_that_dies_mid_stream_migrates(pd: Disaggregated, running: Running) -> None:
-    reference = _complete(running.base_url, running.model, FAULT_PROMPT, max_tokens=200,
-                          ignore_eos=True)["choices"][0]["token_ids"]  # type: ignore[index]
+    reference = _complete(
+        running.base_url, running.model, FAULT_PROMPT, max_tokens=200, ignore_eos=True
+    )["choices"][0]["token_ids"]  # type: ignore[index]
     killed = threading.Event()
 
     def kill_decode_midway(count: int) -> None:
@@ -421,9 +453,13 @@ def test_prefill_that_dies_before_the_handoff_is_prefilled_again(
     )
     client.start()
     try:
-        _eventually(lambda: any(f"-{prefill_pid}-" in name and count
-                                for name, count in _pending_by(running, "prefill").items()),
-                    "the frozen prefill worker to hold the job")
+        _eventually(
+            lambda: any(
+                f"-{prefill_pid}-" in name and count
+                for name, count in _pending_by(running, "prefill").items()
+            ),
+            "the frozen prefill worker to hold the job",
+        )
     finally:
         _kill(pd.prefill)  # it dies holding the job, before any handoff
     replacement = _restart(running, "prefill")
@@ -442,8 +478,9 @@ def test_prefill_that_dies_after_the_handoff_leaves_decode_to_recompute(
     prompt = [1, *range(3000, 3300)]
     reference = _complete(running.base_url, running.model, prompt)["choices"][0]["token_ids"]  # type: ignore[index]
     prefill = _PREFILL[0] if _PREFILL else pd.prefill
-    decoders = [p for p in running.stack.processes
-                if p.name.startswith("decode") and p.popen.poll() is None]
+    decoders = [
+        p for p in running.stack.processes if p.name.startswith("decode") and p.popen.poll() is None
+    ]
     for decoder in decoders:
         os.kill(decoder.popen.pid, signal.SIGSTOP)  # decode has not pulled the KV yet
     result: dict[str, object] = {}
@@ -453,8 +490,10 @@ def test_prefill_that_dies_after_the_handoff_leaves_decode_to_recompute(
     try:
         before = prefill.log_path.read_text().count("handed to decode")
         client.start()
-        _eventually(lambda: prefill.log_path.read_text().count("handed to decode") > before,
-                    "the prefill worker to hand the job to decode")
+        _eventually(
+            lambda: prefill.log_path.read_text().count("handed to decode") > before,
+            "the prefill worker to hand the job to decode",
+        )
         _kill(prefill)  # the prefilled KV cache dies with it
     finally:
         for decoder in decoders:

@@ -82,8 +82,11 @@ def test_vectors_match_a_reference_computation(embedding: Embedding) -> None:
 def test_base64_carries_the_same_floats(embedding: Embedding) -> None:
     body = {"model": EMBED_MODEL, "input": TEXTS[0]}
     floats = httpx.post(f"{embedding.base_url}/v1/embeddings", json=body, timeout=60).json()
-    encoded = httpx.post(f"{embedding.base_url}/v1/embeddings",
-                         json={**body, "encoding_format": "base64"}, timeout=60).json()
+    encoded = httpx.post(
+        f"{embedding.base_url}/v1/embeddings",
+        json={**body, "encoding_format": "base64"},
+        timeout=60,
+    ).json()
     raw = base64.b64decode(encoded["data"][0]["embedding"])
     assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == floats["data"][0]["embedding"]
 
@@ -112,14 +115,23 @@ def test_token_id_input_equals_text_input(embedding: Embedding) -> None:
         ({"input": "hi", "model": "tiny"}, 400, "model"),
         ({"input": "hi", "model": "no-such-model"}, 404, "model"),
     ],
-    ids=["empty", "empty-item", "no-items", "too-long", "bad-token", "bad-format",
-         "generation-model", "unknown-model"],
+    ids=[
+        "empty",
+        "empty-item",
+        "no-items",
+        "too-long",
+        "bad-token",
+        "bad-format",
+        "generation-model",
+        "unknown-model",
+    ],
 )
 def test_bad_input_is_refused_before_queueing(
     embedding: Embedding, body: dict[str, object], status: int, param: str
 ) -> None:
-    response = httpx.post(f"{embedding.base_url}/v1/embeddings",
-                          json={"model": EMBED_MODEL, **body}, timeout=30)
+    response = httpx.post(
+        f"{embedding.base_url}/v1/embeddings", json={"model": EMBED_MODEL, **body}, timeout=30
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param
@@ -127,8 +139,11 @@ def test_bad_input_is_refused_before_queueing(
 
 
 def test_chat_with_an_embedding_model_is_refused(embedding: Embedding) -> None:
-    response = httpx.post(f"{embedding.base_url}/v1/chat/completions", timeout=30, json={
-        "model": EMBED_MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        f"{embedding.base_url}/v1/chat/completions",
+        timeout=30,
+        json={"model": EMBED_MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 400
     assert "/v1/embeddings" in response.json()["error"]["message"]
 

@@ -23,20 +23,28 @@ def test_gateway_tokens_equal_offline_generate(running: Running) -> None:
     for prompt in PROMPTS:
         response = httpx.post(
             f"{running.base_url}/v1/completions",
-            json={"model": running.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                  "temperature": 0, "return_token_ids": True},
+            json={
+                "model": running.model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
             timeout=120,
         )
         response.raise_for_status()
         ours.append(response.json()["choices"][0]["token_ids"])
     script = Path(__file__).with_name("offline_generate.py")
-    request = {"model": str(running.stack.model_path), "prompts": PROMPTS,
-               "max_tokens": MAX_TOKENS}
+    request = {"model": str(running.stack.model_path), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
     done = subprocess.run(
-        [sys.executable, str(script)], input=json.dumps(request), capture_output=True,
-        text=True, timeout=600, check=False,
+        [sys.executable, str(script)],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stderr[-3000:]
-    reference = json.loads(lines[-1][len("RESULT "):])
+    reference = json.loads(lines[-1][len("RESULT ") :])
     assert ours == reference

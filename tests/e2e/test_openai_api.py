@@ -27,7 +27,10 @@ def test_models_lists_the_served_model(client: openai.OpenAI, running: Running) 
 
 def test_chat_non_stream(client: openai.OpenAI, running: Running) -> None:
     result = client.chat.completions.create(
-        model=running.model, messages=MESSAGES, max_tokens=8, temperature=0  # type: ignore[arg-type]
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
     )
     choice = result.choices[0]
     assert choice.message.role == "assistant"
@@ -40,7 +43,10 @@ def test_chat_non_stream(client: openai.OpenAI, running: Running) -> None:
 
 def test_chat_stream_matches_non_stream(client: openai.OpenAI, running: Running) -> None:
     full = client.chat.completions.create(
-        model=running.model, messages=MESSAGES, max_tokens=16, temperature=0  # type: ignore[arg-type]
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
     )
     chunks = list(
         client.chat.completions.create(
@@ -71,7 +77,9 @@ def test_completions_prompt_shapes(client: openai.OpenAI, running: Running) -> N
         model=running.model, prompt=[1, 400, 500, 600], max_tokens=6, temperature=0
     )
     many = client.completions.create(
-        model=running.model, prompt=["Once upon a time", "In a galaxy"], max_tokens=6,
+        model=running.model,
+        prompt=["Once upon a time", "In a galaxy"],
+        max_tokens=6,
         temperature=0,
     )
     assert by_text.choices[0].text
@@ -92,7 +100,12 @@ def test_completions_stream(client: openai.OpenAI, running: Running) -> None:
 
 def test_n_gives_n_distinct_choices(client: openai.OpenAI, running: Running) -> None:
     result = client.chat.completions.create(
-        model=running.model, messages=MESSAGES, max_tokens=12, temperature=1.0, n=2, seed=7  # type: ignore[arg-type]
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=1.0,
+        n=2,
+        seed=7,  # type: ignore[arg-type]
     )
     assert sorted(c.index for c in result.choices) == [0, 1]
     assert result.choices[0].message.content != result.choices[1].message.content
@@ -116,8 +129,12 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, running: Run
 
 def test_logprobs(client: openai.OpenAI, running: Running) -> None:
     chat = client.chat.completions.create(
-        model=running.model, messages=MESSAGES, max_tokens=4, temperature=0,  # type: ignore[arg-type]
-        logprobs=True, top_logprobs=3,
+        model=running.model,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=3,
     )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
@@ -160,8 +177,13 @@ def test_json_schema_output_parses(client: openai.OpenAI, running: Running) -> N
 def test_unknown_fields_are_ignored(running: Running) -> None:
     response = httpx.post(
         f"{running.base_url}/v1/chat/completions",
-        json={"model": running.model, "messages": MESSAGES, "max_tokens": 2,
-              "langchain_extra": {"x": 1}, "parallel_tool_calls": False},
+        json={
+            "model": running.model,
+            "messages": MESSAGES,
+            "max_tokens": 2,
+            "langchain_extra": {"x": 1},
+            "parallel_tool_calls": False,
+        },
         timeout=60,
     )
     assert response.status_code == 200
@@ -224,8 +246,14 @@ def test_stream_has_sse_ids(running: Running) -> None:
 def _greedy_ids(running: Running, **extra: object) -> list[int]:
     response = httpx.post(
         f"{running.base_url}/v1/completions",
-        json={"model": running.model, "prompt": "The river", "max_tokens": 8,
-              "temperature": 0, "return_token_ids": True, **extra},
+        json={
+            "model": running.model,
+            "prompt": "The river",
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        },
         timeout=120,
     )
     response.raise_for_status()

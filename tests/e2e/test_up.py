@@ -22,11 +22,22 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
     port = free_port()
     assert not redis_answers(redis_url)
-    env = dict(os.environ, CONVEYOR_REDIS_URL=redis_url, CONVEYOR_MODEL=str(demo_model),
-               CONVEYOR_DATA_DIR=str(tmp_path), CONVEYOR_PORT=str(port))
+    env = dict(
+        os.environ,
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_MODEL=str(demo_model),
+        CONVEYOR_DATA_DIR=str(tmp_path),
+        CONVEYOR_PORT=str(port),
+    )
     log = (tmp_path / "up.log").open("wb")
-    up = subprocess.Popen([CONVEYOR, "up"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                          stdin=subprocess.DEVNULL, start_new_session=True)
+    up = subprocess.Popen(
+        [CONVEYOR, "up"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
@@ -45,7 +56,8 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
         assert any("conveyor worker --role aggregated" in c for c in commands), commands
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": demo_model.name, "prompt": "hi", "max_tokens": 3}, timeout=60,
+            json={"model": demo_model.name, "prompt": "hi", "max_tokens": 3},
+            timeout=60,
         )
         assert reply.status_code == 200, reply.text
     finally:

@@ -113,8 +113,12 @@ class Vision:
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2-vl"])
-def vision(request: pytest.FixtureRequest, stack: Stack, picture_server: str,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vision]:
+def vision(
+    request: pytest.FixtureRequest,
+    stack: Stack,
+    picture_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Vision]:
     kind = str(request.param)
     model: Path = write_demo_model(tmp_path_factory.mktemp("vision") / kind, kind=kind)
     env = {
@@ -153,9 +157,11 @@ def _messages(vision: Vision, case: str, *, url_of: dict[str, str] | None = None
 
 def _tokens(vision: Vision, case: str, *, stream: bool = False, **kwargs: Any) -> list[int]:
     body: dict[str, Any] = {
-        "model": vision.name, "messages": _messages(vision, case, **kwargs),
-        "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True,
-                                                            "return_token_ids": True},
+        "model": vision.name,
+        "messages": _messages(vision, case, **kwargs),
+        "max_tokens": 16,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
     client = vision.client()
     if not stream:
@@ -206,26 +212,31 @@ def test_aggregated_worker_takes_raw_images(vision: Vision) -> None:
     assert other != vision.reference["one image"]
 
 
-@pytest.mark.parametrize(("url", "reason"), [
-    ("ftp://example.com/a.png", "scheme 'ftp' is not allowed"),
-    ("http://10.1.2.3/a.png", "non-public address"),
-    ("/redirect-to-metadata", "169.254.169.254, a non-public address"),
-    ("data:image/png;base64,bm90IGFuIGltYWdl", "not a JPEG, PNG or WEBP"),
-    ("data:image/png;base64,@@@", "broken base64"),
-    ("/missing.png", "HTTP 404"),
-])
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ftp://example.com/a.png", "scheme 'ftp' is not allowed"),
+        ("http://10.1.2.3/a.png", "non-public address"),
+        ("/redirect-to-metadata", "169.254.169.254, a non-public address"),
+        ("data:image/png;base64,bm90IGFuIGltYWdl", "not a JPEG, PNG or WEBP"),
+        ("data:image/png;base64,@@@", "broken base64"),
+        ("/missing.png", "HTTP 404"),
+    ],
+)
 def test_bad_images_are_400s_and_nothing_is_queued(vision: Vision, url: str, reason: str) -> None:
     if url.startswith("/"):
         url = vision.pictures + url
     client = redis.Redis.from_url(vision.stack.redis_url)
     streams = [keys.job_stream(vision.name, role) for role in (Role.AGGREGATED, Role.ENCODE)]
     try:
-        before = [client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0
-                  for s in streams]
+        before = [
+            client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0 for s in streams
+        ]
         with pytest.raises(openai.BadRequestError) as caught:
             _tokens(vision, "one image", url_of={"red.png": url})
-        after = [client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0
-                 for s in streams]
+        after = [
+            client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0 for s in streams
+        ]
     finally:
         client.close()
     error = caught.value.body
@@ -284,7 +295,8 @@ def test_encode_prefill_decode_matches_raw(vision: Vision) -> None:
     _wait_for_roles(vision, {"prefill", "decode"}, [prefill, decode])
     for case in CASES:
         assert _tokens(vision, case) == vision.reference[case], case
-    assert _tokens(vision, "long text and an image", stream=True) == (
-        vision.reference["long text and an image"]
+    assert (
+        _tokens(vision, "long text and an image", stream=True)
+        == (vision.reference["long text and an image"])
     )
     assert "handed to decode" in prefill.log_path.read_text()

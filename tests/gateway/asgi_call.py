@@ -79,8 +79,9 @@ class AsgiCall:
         """The app's next message; None once the app has returned and sent everything."""
         assert self._task is not None, "use the call in `async with`"
         getter = asyncio.ensure_future(self._sent.get())
-        await asyncio.wait({getter, self._task}, timeout=CHUNK_WAIT_S,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {getter, self._task}, timeout=CHUNK_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
         if getter.done():
             return getter.result()
         getter.cancel()

@@ -49,9 +49,7 @@ async def assert_cancelled(gateway: LiveGateway, control: PubSub, request_id: st
     await eventually(none_open, timeout_s=2.0, what="open_requests back to 0")
 
 
-async def test_leaving_a_stream_cancels_the_request(
-    gateway: LiveGateway, control: PubSub
-) -> None:
+async def test_leaving_a_stream_cancels_the_request(gateway: LiveGateway, control: PubSub) -> None:
     gateway.workers[0].script = endless
     async with gateway.call(CHAT, {**BODIES[CHAT], "max_tokens": 30, "stream": True}) as call:
         assert await call.start() == 200

@@ -183,9 +183,7 @@ async def test_a_prompt_over_the_context_window_downloads_no_image(
     assert fetched == []
 
 
-async def test_images_go_to_the_encode_pool_first(
-    vision: LiveGateway, fetched: list[str]
-) -> None:
+async def test_images_go_to_the_encode_pool_first(vision: LiveGateway, fetched: list[str]) -> None:
     url = png_data_url()
     response = await vision.client.post(CHAT, json=image_chat("describe", url, max_tokens=2))
     assert response.status_code == 200, response.text
@@ -213,4 +211,3 @@ async def test_too_many_images_are_refused_before_any_is_fetched(
         assert error["param"] == "messages"
         assert "CONVEYOR_MAX_IMAGES_PER_REQUEST" in error["message"]
     assert fetched == []
-

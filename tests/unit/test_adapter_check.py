@@ -148,3 +148,24 @@ def test_a_bin_adapter_is_left_to_the_engine(adapter: Path, tmp_path: Path) -> N
     shutil.copytree(adapter, copy)
     (copy / "adapter_model.safetensors").rename(copy / "adapter_model.bin")
     assert check_adapter(str(copy), max_rank=8, model=shapes()).weights.suffix == ".bin"
+
+
+def test_the_cli_writes_a_demo_adapter(tmp_path: Path, base: Path) -> None:
+    from conveyor.cli import main
+
+    target = tmp_path / "cli-adapter"
+    assert main(["demo-model", str(target), "--kind", "lora", "--base", str(base)]) == 0
+    assert check_adapter(str(target), max_rank=8, model=shapes()).rank == RANK
+    assert (
+        main(
+            [
+                "demo-model",
+                str(tmp_path / "x"),
+                "--kind",
+                "lora",
+                "--base",
+                str(tmp_path / "no-model"),
+            ]
+        )
+        == 2
+    )

@@ -334,10 +334,13 @@ def test_vision_transformers_loads_every_weight(vision_dir: Path) -> None:
     )
     model, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert type(model).__name__ == {
-        "llava": "LlavaForConditionalGeneration",
-        "qwen2-vl": "Qwen2VLForConditionalGeneration",
-    }[vision_dir.name]
+    assert (
+        type(model).__name__
+        == {
+            "llava": "LlavaForConditionalGeneration",
+            "qwen2-vl": "Qwen2VLForConditionalGeneration",
+        }[vision_dir.name]
+    )
 
 
 def test_vision_processor(vision_dir: Path) -> None:
@@ -377,15 +380,20 @@ def test_vision_chat_template(vision_dir: Path) -> None:
         "<|im_start|>assistant\n"
     )
     processor: Any = AutoProcessor.from_pretrained(str(vision_dir))  # type: ignore[no-untyped-call]
-    assert processor.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    ) == prompt
+    assert (
+        processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == prompt
+    )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids.count(tok.convert_tokens_to_ids(IMAGE_TOKEN[kind])) == 2
     assert tok.decode(ids) == prompt
     # Text-only content renders as for the Llama demo.
-    plain: Any = [{"role": "user", "content": [{"type": "text", "text": "One"},
-                                          {"type": "text", "text": "Two"}]}]
+    plain: Any = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "One"}, {"type": "text", "text": "Two"}],
+        }
+    ]
     assert tok.apply_chat_template(plain, tokenize=False) == (
         "<s><|im_start|>user\nOne\nTwo<|im_end|>\n"
     )

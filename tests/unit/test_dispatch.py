@@ -23,7 +23,9 @@ def dispatcher(retry_s: float) -> Dispatcher:
         ReplyRouter(redis, "conveyor:reply:gw-test"),
         WorkerDirectory(WorkerRegistry(redis, ttl_s=3.0)),
         AdmissionPolicy(
-            queue_max_depth=10, idempotency_ttl_s=60, min_prefill_tokens=128,
+            queue_max_depth=10,
+            idempotency_ttl_s=60,
+            min_prefill_tokens=128,
             admission_retry_s=retry_s,
         ),
     )
@@ -31,9 +33,14 @@ def dispatcher(retry_s: float) -> Dispatcher:
 
 def job() -> GenerateJob:
     return GenerateJob(
-        request_id="r1", index=0, model="m", prompt_token_ids=[1, 2],
-        sampling=SamplingOptions(max_tokens=4), reply_to="conveyor:reply:gw-test",
-        deadline_unix=0.0, created_unix=0.0,
+        request_id="r1",
+        index=0,
+        model="m",
+        prompt_token_ids=[1, 2],
+        sampling=SamplingOptions(max_tokens=4),
+        reply_to="conveyor:reply:gw-test",
+        deadline_unix=0.0,
+        created_unix=0.0,
     )
 
 

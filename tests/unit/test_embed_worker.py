@@ -16,8 +16,14 @@ from workers.roles import embed
 def embed_job(request_id: str, index: int = 0, *, dimensions: int | None = None) -> EmbedJob:
     now = time.time()
     return EmbedJob(
-        request_id=request_id, index=index, model=MODEL, prompt_token_ids=[101, 7, 8, 102],
-        reply_to=REPLY, deadline_unix=now + 60, created_unix=now, dimensions=dimensions,
+        request_id=request_id,
+        index=index,
+        model=MODEL,
+        prompt_token_ids=[101, 7, 8, 102],
+        reply_to=REPLY,
+        deadline_unix=now + 60,
+        created_unix=now,
+        dimensions=dimensions,
     )
 
 

@@ -38,8 +38,13 @@ def test_the_four_input_shapes(minilm: ServedModel) -> None:
 
 @pytest.mark.parametrize(
     ("value", "param"),
-    [("", "input"), (["x", ""], "input[1]"), ([], "input"), ([[1, 99999999]], "input"),
-     ([[]], "input")],
+    [
+        ("", "input"),
+        (["x", ""], "input[1]"),
+        ([], "input"),
+        ([[1, 99999999]], "input"),
+        ([[]], "input"),
+    ],
 )
 def test_bad_inputs_name_their_part(minilm: ServedModel, value: object, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:

@@ -98,14 +98,17 @@ async def test_connects_to_the_checked_address_with_the_original_host_header(ser
     assert _Handler.hosts_seen[-1] == f"images.example:{port}"
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1:9/x.png",
-    "http://10.1.2.3/x.png",
-    "http://169.254.169.254/latest/meta-data",
-    "http://[::1]/x.png",
-    "http://[::ffff:10.0.0.1]/x.png",
-    "http://0.0.0.0/x.png",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/x.png",
+        "http://10.1.2.3/x.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]/x.png",
+        "http://[::ffff:10.0.0.1]/x.png",
+        "http://0.0.0.0/x.png",
+    ],
+)
 async def test_refuses_non_public_addresses(url: str) -> None:
     fetcher = ImageFetcher(_policy(private_networks=()))
     try:
@@ -124,11 +127,14 @@ async def test_refuses_a_name_that_resolves_to_a_private_address() -> None:
         await fetcher.aclose()
 
 
-@pytest.mark.parametrize("target", [
-    "http://169.254.169.254/latest/meta-data",
-    "http://10.0.0.1/internal.png",
-    "file:///etc/passwd",
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1/internal.png",
+        "file:///etc/passwd",
+    ],
+)
 async def test_checks_every_redirect(server: str, target: str) -> None:
     fetcher = ImageFetcher(_policy())
     hits = len(_Handler.hits)
@@ -148,14 +154,17 @@ async def test_follows_a_redirect_to_an_allowed_place(server: str) -> None:
         await fetcher.aclose()
 
 
-@pytest.mark.parametrize(("url", "reason"), [
-    ("ftp://example.com/x.png", "scheme 'ftp' is not allowed"),
-    ("file:///etc/passwd", "scheme 'file' is not allowed"),
-    ("data:image/png;base64,@@@@", "broken base64"),
-    ("data:text/plain;base64,aGVsbG8=", "must be image/"),
-    ("data:image/png,rawbytes", "must be base64"),
-    ("data:image/png;base64" , "no comma"),
-])
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ftp://example.com/x.png", "scheme 'ftp' is not allowed"),
+        ("file:///etc/passwd", "scheme 'file' is not allowed"),
+        ("data:image/png;base64,@@@@", "broken base64"),
+        ("data:text/plain;base64,aGVsbG8=", "must be image/"),
+        ("data:image/png,rawbytes", "must be base64"),
+        ("data:image/png;base64", "no comma"),
+    ],
+)
 async def test_refuses_bad_urls(url: str, reason: str) -> None:
     fetcher = ImageFetcher(_policy())
     try:

@@ -50,15 +50,20 @@ def inputs(redis: fakeredis.aioredis.FakeRedis) -> ImageInputs:
     policy = FetchPolicy(
         frozenset({"http", "https", "data"}), max_bytes=50_000, timeout_s=2.0, private_networks=()
     )
-    return ImageInputs(ImageFetcher(policy), ImageStore(redis), ImageLimits(50_000, 256 * 256),
-                       max_images=3)
+    return ImageInputs(
+        ImageFetcher(policy), ImageStore(redis), ImageLimits(50_000, 256 * 256), max_images=3
+    )
 
 
 def _request(*parts: dict[str, object]) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({
-        "model": "tiny-vl",
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}],
-    })
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": "tiny-vl",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "describe"}, *parts]}
+            ],
+        }
+    )
 
 
 async def collect(
@@ -77,8 +82,11 @@ async def test_images_are_stored_once_by_content(
 ) -> None:
     png = _image_bytes()
     # The same bytes under two URLs (two data: spellings) are one image.
-    request = _request(_image(_data_url(png)), _image(_data_url(png, "image/x-png")),
-                       _image(_data_url(_image_bytes(color="blue"))))
+    request = _request(
+        _image(_data_url(png)),
+        _image(_data_url(png, "image/x-png")),
+        _image(_data_url(_image_bytes(color="blue"))),
+    )
     refs = await collect(inputs, request, vision_model)
     assert [ref.digest for ref in refs][:2] == [content_hash(png)] * 2
     assert refs[2].digest != refs[0].digest
@@ -88,17 +96,20 @@ async def test_images_are_stored_once_by_content(
     assert prompt.count(vision_model.image_token_id) == 3  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("part", "reason"), [
-    (_image("ftp://example.com/a.png"), "scheme 'ftp' is not allowed"),
-    (_image("http://10.0.0.1/a.png"), "non-public address"),
-    (_image("http://169.254.169.254/latest/meta-data"), "non-public address"),
-    (_image(_data_url(b"hello, not an image")), "not a JPEG, PNG or WEBP"),
-    (_image(_data_url(b"GIF89a" + b"0" * 20, "image/gif")), "not a JPEG, PNG or WEBP"),
-    (_image("data:image/png;base64,%%%not-base64"), "broken base64"),
-    (_image(_data_url(b"0" * 60_000)), "the limit is 50000"),
-    (_image(_data_url(_image_bytes(size=(300, 300)))), "pixels"),
-    (_image(_data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)), "cannot be decoded"),
-])
+@pytest.mark.parametrize(
+    ("part", "reason"),
+    [
+        (_image("ftp://example.com/a.png"), "scheme 'ftp' is not allowed"),
+        (_image("http://10.0.0.1/a.png"), "non-public address"),
+        (_image("http://169.254.169.254/latest/meta-data"), "non-public address"),
+        (_image(_data_url(b"hello, not an image")), "not a JPEG, PNG or WEBP"),
+        (_image(_data_url(b"GIF89a" + b"0" * 20, "image/gif")), "not a JPEG, PNG or WEBP"),
+        (_image("data:image/png;base64,%%%not-base64"), "broken base64"),
+        (_image(_data_url(b"0" * 60_000)), "the limit is 50000"),
+        (_image(_data_url(_image_bytes(size=(300, 300)))), "pixels"),
+        (_image(_data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)), "cannot be decoded"),
+    ],
+)
 async def test_bad_images_are_400s_naming_the_part(
     inputs: ImageInputs,
     vision_model: ServedModel,
@@ -120,8 +131,9 @@ async def test_too_many_images(inputs: ImageInputs, vision_model: ServedModel) -
         await collect(inputs, request, vision_model)
 
 
-async def test_text_only_model_refuses_images(inputs: ImageInputs,
-                                              served_model: ServedModel) -> None:
+async def test_text_only_model_refuses_images(
+    inputs: ImageInputs, served_model: ServedModel
+) -> None:
     request = _request(_image(_data_url(_image_bytes())))
     with pytest.raises(InvalidRequest, match="text-only model") as caught:
         await collect(inputs, request, served_model)

@@ -182,9 +182,7 @@ def test_bytes_round_trip(message: Message) -> None:
     assert type(decoded) is type(message)
 
 
-events = st.one_of(
-    token_events, finish_events, error_events, embedding_events
-)
+events = st.one_of(token_events, finish_events, error_events, embedding_events)
 
 
 def lua_batch(payloads: list[bytes]) -> bytes:
@@ -267,8 +265,15 @@ def test_malformed_fields_are_refused(fields: dict[bytes, bytes]) -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", VERSION, VERSION + b":", b":", b"garbage", VERSION + b":\xc1",
-     b"v" + encode_bytes(CancelCommand("r"))],
+    [
+        b"",
+        VERSION,
+        VERSION + b":",
+        b":",
+        b"garbage",
+        VERSION + b":\xc1",
+        b"v" + encode_bytes(CancelCommand("r")),
+    ],
 )
 def test_malformed_bytes_are_refused(data: bytes) -> None:
     with pytest.raises(ProtocolError):
@@ -371,8 +376,14 @@ def test_a_truncated_batch_is_refused() -> None:
 
 def test_embedding_messages_round_trip() -> None:
     job = protocol.EmbedJob(
-        request_id="e", index=2, model="m", prompt_token_ids=[101, 102], reply_to="r",
-        deadline_unix=1.0, created_unix=0.5, dimensions=64,
+        request_id="e",
+        index=2,
+        model="m",
+        prompt_token_ids=[101, 102],
+        reply_to="r",
+        deadline_unix=1.0,
+        created_unix=0.5,
+        dimensions=64,
     )
     event = protocol.EmbeddingEvent("e", 2, 0, 0, b"\x00\x00\x80?", 2)
     assert decode(encode(job)) == job

@@ -41,14 +41,20 @@ def test_forget_dead_process_removes_only_that_process() -> None:
     client = redis.Redis.from_url(REAL_REDIS_URL)
     client.flushdb()
     try:
-        for worker_id in ("aggregated-box-4242-abc123", "decode-box-4242-def456",
-                          "aggregated-box-14242-aaaaaa", "aggregated-other-4242-bbbbbb"):
+        for worker_id in (
+            "aggregated-box-4242-abc123",
+            "decode-box-4242-def456",
+            "aggregated-box-14242-aaaaaa",
+            "aggregated-other-4242-bbbbbb",
+        ):
             client.set(keys.worker_heartbeat(worker_id), b"{}", px=60_000)
         gone = forget_dead_process(REAL_REDIS_URL, 4242, host="box")
         assert sorted(gone) == ["aggregated-box-4242-abc123", "decode-box-4242-def456"]
         left = sorted(k.decode() for k in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
-        assert left == [keys.worker_heartbeat("aggregated-box-14242-aaaaaa"),
-                        keys.worker_heartbeat("aggregated-other-4242-bbbbbb")]
+        assert left == [
+            keys.worker_heartbeat("aggregated-box-14242-aaaaaa"),
+            keys.worker_heartbeat("aggregated-other-4242-bbbbbb"),
+        ]
     finally:
         client.flushdb()
         client.close()
@@ -60,7 +66,11 @@ def test_up_puts_an_encode_worker_in_front_of_either_mode() -> None:
 
     assert worker_roles(Settings(encode=True)) == ["encode", "aggregated"]
     assert worker_roles(Settings(encode=True, mode=Mode.DISAGGREGATED, workers=2)) == [
-        "encode", "prefill", "decode", "prefill", "decode"
+        "encode",
+        "prefill",
+        "decode",
+        "prefill",
+        "decode",
     ]
     assert worker_roles(Settings(embed_model="default")) == ["aggregated", "embed"]
 
@@ -103,7 +113,10 @@ def test_up_gives_each_engine_worker_its_own_cores(monkeypatch: pytest.MonkeyPat
     roles = worker_roles(settings)
     binds = [env.get("CONVEYOR_CPU_OMP_THREADS_BIND") for env in worker_envs(settings, roles, {})]
     assert list(zip(roles, binds, strict=True)) == [
-        ("encode", None), ("aggregated", "1,2"), ("aggregated", "3"), ("embed", "4")
+        ("encode", None),
+        ("aggregated", "1,2"),
+        ("aggregated", "3"),
+        ("embed", "4"),
     ]
     pinned = Settings(workers=2, cpu_omp_threads_bind="2")
     assert worker_envs(pinned, worker_roles(pinned), {"X": "1"}) == [{"X": "1"}, {"X": "1"}]

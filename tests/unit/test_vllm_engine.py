@@ -211,7 +211,8 @@ def instance(cls: type[VLLMError]) -> VLLMError:
     except ValueError:  # no __init__ of its own: Exception's
         return cls("bad request")
     required = [
-        p for p in parameters
+        p
+        for p in parameters
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return cls(*(f"bad {p.name}" for p in required))

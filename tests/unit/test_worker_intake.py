@@ -132,7 +132,11 @@ async def test_job_that_failed_max_deliveries_times_is_dead_lettered(
 
     engine = FakeEngine()
     async with worker(
-        redis_target, engine, setup=crashed_twice, max_deliveries=2, claim_idle_ms=50,
+        redis_target,
+        engine,
+        setup=crashed_twice,
+        max_deliveries=2,
+        claim_idle_ms=50,
         timing=FAST_JANITOR,
     ) as w:
         [event] = await w.final_events("poison")
@@ -172,7 +176,11 @@ async def test_job_that_failed_fewer_times_still_runs(redis_target: RedisTarget)
 
     engine = FakeEngine(tokens=2)
     async with worker(
-        redis_target, engine, setup=crashed_once, max_deliveries=2, claim_idle_ms=50,
+        redis_target,
+        engine,
+        setup=crashed_once,
+        max_deliveries=2,
+        claim_idle_ms=50,
         timing=FAST_JANITOR,
     ) as w:
         events = await w.final_events("retry")
@@ -217,7 +225,11 @@ async def test_resume_that_may_not_migrate_ends_with_a_clean_error(
 
     engine = FakeEngine()
     async with worker(
-        redis_target, engine, setup=stopped_mid_stream, claim_idle_ms=50, timing=FAST_JANITOR,
+        redis_target,
+        engine,
+        setup=stopped_mid_stream,
+        claim_idle_ms=50,
+        timing=FAST_JANITOR,
         **policy,
     ) as w:
         events = await w.final_events("stuck")

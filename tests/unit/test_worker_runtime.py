@@ -306,7 +306,10 @@ async def test_a_journal_that_gave_up_stops_the_worker_and_its_jobs_are_reclaime
         return scripts
 
     async with worker(
-        redis_target, engine, shutdown_grace_s=30.0, scripts=writes_down,
+        redis_target,
+        engine,
+        shutdown_grace_s=30.0,
+        scripts=writes_down,
         timing=Timing(janitor_s=0.02, journal_retry_s=0.1),
     ) as w:
         await w.submit(make_job("stranded", max_tokens=100_000))
@@ -324,7 +327,11 @@ async def test_a_journal_that_gave_up_stops_the_worker_and_its_jobs_are_reclaime
 
         successor = FakeEngine(tokens=3)
         async with worker(
-            redis_target, successor, fresh=False, worker_id="w-next", claim_idle_ms=50,
+            redis_target,
+            successor,
+            fresh=False,
+            worker_id="w-next",
+            claim_idle_ms=50,
             timing=Timing(janitor_s=0.02),
         ) as w2:
             events = await w2.final_events("stranded")

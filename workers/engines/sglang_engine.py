@@ -624,8 +624,10 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
 
 def _text_only(images: PromptImages | None) -> None:
     if images is not None:
-        raise InvalidRequest("the SGLang backend of Conveyor does not take images yet; "
-                             "serve vision-language models with the vLLM engine")
+        raise InvalidRequest(
+            "the SGLang backend of Conveyor does not take images yet; "
+            "serve vision-language models with the vLLM engine"
+        )
 
 
 def prefill_options(options: SamplingOptions) -> SamplingOptions:

@@ -66,8 +66,11 @@ class ImageEmbedding:
             raise ValueError(f"cannot serialise a {dtype} tensor of shape {self.embeds.shape}")
         _require_little_endian()
         header = json.dumps(
-            {"dtype": dtype, "shape": list(self.embeds.shape),
-             "grid_thw": None if self.grid_thw is None else list(self.grid_thw)},
+            {
+                "dtype": dtype,
+                "shape": list(self.embeds.shape),
+                "grid_thw": None if self.grid_thw is None else list(self.grid_thw),
+            },
             separators=(",", ":"),
         ).encode()
         tensor = self.embeds.detach().cpu().contiguous()
@@ -195,8 +198,10 @@ class VisionEncoder:
 
         family = vision_family(model_path)
         if family is None:
-            raise ValueError(f"{model_path} is not a vision-language model this encoder knows "
-                             f"(model types: {', '.join(FAMILIES)})")
+            raise ValueError(
+                f"{model_path} is not a vision-language model this encoder knows "
+                f"(model types: {', '.join(FAMILIES)})"
+            )
         folder = _model_folder(model_path)
         config = AutoConfig.from_pretrained(str(folder))
         modules = _llava_modules(config) if family == "llava" else _qwen2_vl_modules(config)
@@ -292,8 +297,10 @@ def _load_weights(folder: Path, modules: dict[str, Any]) -> None:
         missing, unexpected = module.load_state_dict(found[name], strict=False)
         missing = [k for k in missing if not k.endswith("position_ids")]
         if missing or unexpected:
-            raise ValueError(f"{folder}: {name} weights do not fit the model "
-                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+            raise ValueError(
+                f"{folder}: {name} weights do not fit the model "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
 
 
 def _local_name(key: str, prefixes: tuple[str, ...], own: set[str]) -> str | None:

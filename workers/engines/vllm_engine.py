@@ -92,8 +92,9 @@ class VllmEngine:
         params = sampling_params(sampling, kv_transfer_params=handoff)
         lora = vllm_lora.lora_request(self.adapters, adapter)
         with vllm_errors("generation"):
-            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id,
-                                        lora_request=lora)
+            stream = self._llm.generate(
+                self._prompt(prompt_token_ids, images), params, job_id, lora_request=lora
+            )
             async for output in stream:
                 yield step_output(output, prompt_token_ids, sampling.logprobs)
 
@@ -137,8 +138,9 @@ class VllmEngine:
         vector: list[float] | None = None
         with vllm_errors("embedding", param="dimensions"):
             params = PoolingParams(task="embed", dimensions=dimensions)
-            stream = self._llm.encode(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
-                                      job_id)
+            stream = self._llm.encode(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
+            )
             async for output in stream:
                 if output.finished:
                     vector = [float(x) for x in output.outputs.data.tolist()]
@@ -168,8 +170,9 @@ def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
-                   **kwargs: Any) -> None:
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any
+        ) -> None:
             prompt = getattr(iteration_stats, "prompt_token_stats", None)
             if prompt is not None and prompt.total:
                 stats.computed += int(prompt.computed)
@@ -320,10 +323,10 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
 @contextlib.contextmanager
-def vllm_errors(
-    what: str, *, param: str | None = None, invalid_prefix: str = ""
-) -> Iterator[None]:
+def vllm_errors(what: str, *, param: str | None = None, invalid_prefix: str = "") -> Iterator[None]:
     """The one mapping from vLLM's exceptions to Conveyor's.
 
     vLLM splits its own errors by cause: ``EngineDeadError`` (the engine core is gone:
@@ -353,9 +356,7 @@ def vllm_errors(
 # tests/unit/test_vllm_engine.py.
 
 
-def sampling_params(
-    options: SamplingOptions, *, kv_transfer_params: Handoff | None = None
-) -> Any:
+def sampling_params(options: SamplingOptions, *, kv_transfer_params: Handoff | None = None) -> Any:
     """vLLM's SamplingParams for one sequence (DELTA outputs), with the KV connector's
     ``kv_transfer_params`` when given; values vLLM refuses are the request's fault (a
     400), not a crash."""

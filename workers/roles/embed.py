@@ -61,8 +61,13 @@ class EmbedRun:
             len(job.prompt_token_ids),
         )
         self._journal.finish(self.lease, event)
-        log.info("job %s embedded (%d tokens, %d dims) in %.3fs", job.job_id,
-                 len(job.prompt_token_ids), len(vector), time.monotonic() - started)
+        log.info(
+            "job %s embedded (%d tokens, %d dims) in %.3fs",
+            job.job_id,
+            len(job.prompt_token_ids),
+            len(vector),
+            time.monotonic() - started,
+        )
 
     def fail(self, error: ConveyorError) -> None:
         self._journal.fail(self.lease, error)

@@ -56,8 +56,13 @@ class EncodeRun:
             return
         forwarded = msgspec.structs.replace(job, images_encoded=True, after_encode=None)
         if await self._journal.forward(self.lease, self.next_stream(), forwarded, ack=True):
-            log.info("job %s: %d image(s) encoded in %.3fs, handed to %s", job.job_id,
-                     len(job.images), time.monotonic() - started, job.after_encode)
+            log.info(
+                "job %s: %d image(s) encoded in %.3fs, handed to %s",
+                job.job_id,
+                len(job.images),
+                time.monotonic() - started,
+                job.after_encode,
+            )
 
     def fail(self, error: ConveyorError) -> None:
         self._journal.fail(self.lease, error)

@@ -149,8 +149,9 @@ class SequenceRun:
         if self.job.adapter is None:
             return contextlib.nullcontext()
         if self._adapters is None:
-            raise ModelNotFound(f"this worker serves no LoRA adapters "
-                                f"(asked for {self.job.adapter!r})")
+            raise ModelNotFound(
+                f"this worker serves no LoRA adapters (asked for {self.job.adapter!r})"
+            )
         return self._adapters.running(self.job.adapter)
 
     async def _stream(
@@ -161,8 +162,9 @@ class SequenceRun:
         images: PromptImages | None,
     ) -> tuple[str, int]:
         job = self.job
-        stream = self._engine.generate(job.job_id, prompt, sampling, handoff=handoff,
-                                       images=images, adapter=job.adapter)
+        stream = self._engine.generate(
+            job.job_id, prompt, sampling, handoff=handoff, images=images, adapter=job.adapter
+        )
         async for step in stream:
             if step.token_ids or step.text:
                 self._completion_tokens += len(step.token_ids)

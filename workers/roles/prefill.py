@@ -55,8 +55,9 @@ class PrefillRun:
         handoff = self._engine.plan_handoff(job.job_id)
         if handoff is not None:
             forwarded = msgspec.structs.replace(job, handoff=handoff)
-            if not await self._journal.forward(self.lease, self.decode_stream(), forwarded,
-                                               ack=False):
+            if not await self._journal.forward(
+                self.lease, self.decode_stream(), forwarded, ack=False
+            ):
                 return
         try:
             images = await load_images(self._images, job)
@@ -74,8 +75,12 @@ class PrefillRun:
             await self._journal.forward(self.lease, self.decode_stream(), forwarded, ack=True)
         else:
             await self._journal.forward(self.lease, "", job, ack=True)
-        log.info("job %s prefilled (%d prompt tokens) in %.3fs, handed to decode",
-                 job.job_id, len(job.prompt_token_ids), time.monotonic() - started)
+        log.info(
+            "job %s prefilled (%d prompt tokens) in %.3fs, handed to decode",
+            job.job_id,
+            len(job.prompt_token_ids),
+            time.monotonic() - started,
+        )
 
     def fail(self, error: ConveyorError) -> None:
         self._journal.fail(self.lease, error)

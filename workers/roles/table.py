@@ -9,10 +9,12 @@ from shared.roles import Role
 from workers.roles import embed, encode, generate, prefill
 from workers.roles.base import LoadRole
 
-ROLES: Mapping[Role, LoadRole] = MappingProxyType({
-    Role.AGGREGATED: generate.load,
-    Role.DECODE: generate.load,
-    Role.PREFILL: prefill.load,
-    Role.EMBED: embed.load,
-    Role.ENCODE: encode.load,
-})
+ROLES: Mapping[Role, LoadRole] = MappingProxyType(
+    {
+        Role.AGGREGATED: generate.load,
+        Role.DECODE: generate.load,
+        Role.PREFILL: prefill.load,
+        Role.EMBED: embed.load,
+        Role.ENCODE: encode.load,
+    }
+)
