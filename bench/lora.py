@@ -146,9 +146,11 @@ class Driver:
         self._args = args
         self._waiting: dict[str, asyncio.Future[int]] = {}
         self._reply = keys.reply_stream(GATEWAY)
+        self._stop = asyncio.Event()
 
     async def run(self, adapters: list[str | None]) -> tuple[float, int]:
         """(seconds, output tokens) for ``--requests`` requests cycling over ``adapters``."""
+        self._stop.clear()
         reader = asyncio.create_task(self._read())
         plan = iter(adapters[i % len(adapters)] for i in range(self._args.requests))
         started = time.perf_counter()
@@ -157,8 +159,9 @@ class Driver:
                 *(self._loop(plan) for _ in range(self._args.concurrency))
             )
         finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            # Not reader.cancel(): redis-py may swallow a cancel during a blocking read.
+            self._stop.set()
+            await reader
         return time.perf_counter() - started, sum(counts)
 
     async def _loop(self, plan: Iterator[str | None]) -> int:
@@ -191,7 +194,7 @@ class Driver:
     async def _read(self) -> None:
         newest: Any = await self._client.xrevrange(self._reply, count=1)
         last: Any = newest[0][0] if newest else "0-0"
-        while True:
+        while not self._stop.is_set():
             try:
                 reply: Any = await self._client.xread({self._reply: last}, block=1000, count=1000)
             except RedisError as exc:

@@ -91,16 +91,22 @@ class Dispatcher:
         self._open_charges: dict[str, LimitCharge] = {}
         self.drain = DrainMeter(redis)
 
-    async def _admit(self, stream: str, jobs: Sequence[Job], plan: AnyPlan) -> AdmissionResult:
+    async def _admit(
+        self,
+        stream: str,
+        jobs: Sequence[Job],
+        idempotency_key: str | None,
+        charge: LimitCharge | None = None,
+    ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
         return await retry(
             lambda: self._queue.submit(
                 stream,
                 jobs,
                 max_depth=self._policy.queue_max_depth,
-                idempotency_key=plan.idempotency_key,
+                idempotency_key=idempotency_key,
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
-                charge=plan.charge,
+                charge=charge,
             ),
             for_s=self._policy.admission_retry_s,
             backoff=Backoff(first_s=0.1, max_s=1.0),
@@ -179,7 +185,7 @@ class Dispatcher:
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(stream, jobs, plan)
+            result = await self._admit(stream, jobs, plan.idempotency_key, plan.charge)
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
