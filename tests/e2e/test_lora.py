@@ -249,6 +249,18 @@ async def run(client: aioredis.Redis, jobs: list[GenerateJob]) -> list[list[int]
     return await outputs(client, jobs)
 
 
+async def first_token(client: aioredis.Redis, one: GenerateJob, timeout_s: float = 60) -> None:
+    """Return once ``one`` has streamed a token (it is running)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _, fields in await client.xrange(REPLY):
+            for event in decode_events(fields):
+                if isinstance(event, TokenEvent) and event.request_id == one.request_id:
+                    return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{one.request_id} did not start")
+
+
 def worker_entry(process: Process) -> WorkerRegistration:
     [entry] = [w for w in registrations() if f"-{process.popen.pid}-" in w.worker_id]
     return entry
@@ -337,7 +349,7 @@ async def test_admin_commands_on_a_real_worker(lora: LoraStack, client: aioredis
     # A job runs through the drain; one submitted after it waits for the resume.
     running = job("a1", PROMPTS[1], max_tokens=800)
     await submit(client, running)
-    await asyncio.sleep(0.3)
+    await first_token(client, running)
     drained = await send_worker_command(client, worker_id, Command.DRAIN, 10)
     assert drained.status == CommandStatus.OK, drained
     waiting = job(None, PROMPTS[0])
