@@ -30,10 +30,8 @@ from shared import keys
 from shared.errors import (
     BackendUnavailable,
     IdempotencyConflict,
-    KeyRateLimited,
     NoLiveWorker,
     Overloaded,
-    QuotaExceeded,
 )
 from shared.job_queue import Admission, AdmissionResult, JobQueue
 from shared.key_limits import (
@@ -41,7 +39,7 @@ from shared.key_limits import (
     KeyLimitCounters,
     LimitCharge,
     LimitKind,
-    LimitUsage,
+    key_limit_error,
 )
 from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
 from shared.redis_conn import db_of
@@ -289,34 +287,6 @@ class Dispatcher:
     async def wait_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def key_limit_error(usage: LimitUsage, kind: LimitKind) -> KeyRateLimited | QuotaExceeded:
-    """The 429 for a key over one of its limits, with OpenAI's headers."""
-    limits, retry_after = usage.charge.limits, usage.retry_after_s(kind)
-    headers = usage.headers()
-    if kind is LimitKind.BUDGET:
-        return QuotaExceeded(
-            f"This API key has used its token budget for this {limits.budget_period} "
-            f"({usage.budget_used} of {limits.budget_tokens} tokens; this request needs up "
-            f"to {usage.charge.cost_tokens}). It renews in {retry_after}s.",
-            retry_after_s=retry_after,
-            headers=headers,
-        )
-    described = {
-        LimitKind.REQUESTS: f"requests per minute (RPM): limit {limits.rpm}, used {usage.requests}",
-        LimitKind.TOKENS: f"tokens per minute (TPM): limit {limits.tpm}, used {usage.tokens}, "
-        f"requested {usage.charge.cost_tokens} (prompt + max_tokens x choices)",
-        LimitKind.CONCURRENCY: f"concurrent requests: limit {limits.max_concurrent}, "
-        f"open {usage.concurrent}",
-    }[kind]
-    limit = "tokens" if kind is LimitKind.TOKENS else "requests"
-    return KeyRateLimited(
-        f"Rate limit reached for this API key on {described}. Retry in {retry_after}s.",
-        limit=limit,
-        retry_after_s=retry_after,
-        headers=headers,
-    )
 
 
 def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: int) -> None:

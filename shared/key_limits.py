@@ -27,6 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.errors import KeyRateLimited, QuotaExceeded
 
 WINDOW_S = 60
 CONCURRENCY_LEASE_S = 15.0
@@ -248,6 +249,34 @@ class KeyLimitCounters:
         if request_ids:
             until_ms = int((now_unix + CONCURRENCY_LEASE_S) * 1000)
             await self._renew(keys=[keys.key_concurrency(key_id)], args=[until_ms, *request_ids])
+
+
+def key_limit_error(usage: LimitUsage, kind: LimitKind) -> KeyRateLimited | QuotaExceeded:
+    """The 429 for a key over one of its limits, with OpenAI's headers."""
+    limits, retry_after = usage.charge.limits, usage.retry_after_s(kind)
+    headers = usage.headers()
+    if kind is LimitKind.BUDGET:
+        return QuotaExceeded(
+            f"This API key has used its token budget for this {limits.budget_period} "
+            f"({usage.budget_used} of {limits.budget_tokens} tokens; this request needs up "
+            f"to {usage.charge.cost_tokens}). It renews in {retry_after}s.",
+            retry_after_s=retry_after,
+            headers=headers,
+        )
+    described = {
+        LimitKind.REQUESTS: f"requests per minute (RPM): limit {limits.rpm}, used {usage.requests}",
+        LimitKind.TOKENS: f"tokens per minute (TPM): limit {limits.tpm}, used {usage.tokens}, "
+        f"requested {usage.charge.cost_tokens} (prompt + max_tokens x choices)",
+        LimitKind.CONCURRENCY: f"concurrent requests: limit {limits.max_concurrent}, "
+        f"open {usage.concurrent}",
+    }[kind]
+    limit = "tokens" if kind is LimitKind.TOKENS else "requests"
+    return KeyRateLimited(
+        f"Rate limit reached for this API key on {described}. Retry in {retry_after}s.",
+        limit=limit,
+        retry_after_s=retry_after,
+        headers=headers,
+    )
 
 
 def usage_from_reply(charge: LimitCharge, counts: list[Any]) -> LimitUsage:
