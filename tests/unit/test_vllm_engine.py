@@ -24,7 +24,7 @@ from shared.errors import ConveyorError, EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from workers.engines.base import PromptImages, StepOutput
 from workers.engines.vision_encoder import ImageEmbedding
-from workers.engines.vllm_engine import (
+from workers.engines.vllm_translate import (
     sampling_params,
     step_output,
     tokens_prompt,
