@@ -42,12 +42,13 @@ from shared.protocol import (
 )
 from shared.roles import Role
 from shared.worker_commands import Command, CommandStatus, send_worker_command
-from tests.e2e.conftest import E2E_REDIS_URL
 from tests.e2e.stack import Process, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
 MODEL = "tiny"
+LORA_REDIS_URL = os.environ.get("CONVEYOR_TEST_LORA_REDIS_URL", "redis://127.0.0.1:6379/4")
+"""A db of its own: this module flushes it, and its model name is the shared stack's."""
 GATEWAY = "gw-lora-test"
 REPLY = keys.reply_stream(GATEWAY)
 GOOD = ("a1", "a2", "a3")
@@ -85,7 +86,7 @@ class LoraStack:
 
 def publish(specs: list[AdapterSpec]) -> int:
     async def run() -> int:
-        client = aioredis.Redis.from_url(E2E_REDIS_URL)
+        client = aioredis.Redis.from_url(LORA_REDIS_URL)
         try:
             return await publish_desired(client, MODEL, specs)
         finally:
@@ -95,7 +96,7 @@ def publish(specs: list[AdapterSpec]) -> int:
 
 
 def registrations() -> list[WorkerRegistration]:
-    client = redis.Redis.from_url(E2E_REDIS_URL)
+    client = redis.Redis.from_url(LORA_REDIS_URL)
     try:
         values = [client.get(k) for k in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN)]
     finally:
@@ -158,7 +159,7 @@ def offline_reference(model: Path, adapters: dict[str, Path]) -> dict[str, list[
 
 @pytest.fixture(scope="module")
 def lora(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraStack]:
-    client = redis.Redis.from_url(E2E_REDIS_URL)
+    client = redis.Redis.from_url(LORA_REDIS_URL)
     client.flushdb()
     client.set(keys.gateway_heartbeat(GATEWAY), b"1", ex=3600)
     client.close()
@@ -169,7 +170,7 @@ def lora(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         for name, path in paths.items()
     }
     publish(list(specs.values()))
-    stack = Stack(demo_model, MODEL, E2E_REDIS_URL, tmp_path_factory.mktemp("logs"))
+    stack = Stack(demo_model, MODEL, LORA_REDIS_URL, tmp_path_factory.mktemp("logs"))
     env = LoraStack(stack, specs, reference)
     try:
         env.workers.append(stack.start_worker("worker", **WORKER_ENV))
@@ -182,7 +183,7 @@ def lora(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture
 async def client() -> AsyncIterator[aioredis.Redis]:
-    connection = aioredis.Redis.from_url(E2E_REDIS_URL)
+    connection = aioredis.Redis.from_url(LORA_REDIS_URL)
     try:
         yield connection
     finally:
@@ -375,7 +376,7 @@ async def test_a_sigkilled_workers_replacement_loads_adapters_before_it_is_ready
     old = lora.worker
     os.killpg(old.popen.pid, signal.SIGKILL)
     old.popen.wait(30)
-    forget_dead_process(E2E_REDIS_URL, old.popen.pid)
+    forget_dead_process(LORA_REDIS_URL, old.popen.pid)
     queued = [job(name, PROMPTS[3]) for name in GOOD]  # waiting for the replacement
     await submit(client, *queued)
     replacement = lora.stack.start_worker("replacement", **WORKER_ENV)
