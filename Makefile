@@ -25,7 +25,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check gateway workers shared conveyor bench tests scripts
+	$(BIN)/ruff format --check .
 
 typecheck: install
 	$(BIN)/mypy

@@ -9,7 +9,7 @@ BIN=.venv/bin
 
 echo "== ruff"
 "$BIN/ruff" check .
-"$BIN/ruff" format --check gateway workers shared conveyor bench tests scripts
+"$BIN/ruff" format --check .
 echo "== mypy (strict)"
 "$BIN/mypy"
 echo "== pytest"
