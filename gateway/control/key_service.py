@@ -9,7 +9,7 @@ Redis is down the change still stands: the caches' periodic full reload picks it
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypedDict
@@ -78,10 +78,15 @@ class KeyService:
         redis: aioredis.Redis | None,
         *,
         clock: Callable[[], datetime] = utc_now,
+        on_change: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._sessions = sessions
         self._redis = redis
         self._clock = clock
+        self._on_change = on_change
+        """Runs after every committed change, before the change is answered: the gateway
+        that made it reloads its key cache, so a key it just created works on it at once
+        (the other gateways follow within their poll period)."""
         self.notify_error: str | None = None
         """Why the last change could not be announced to the gateways (None: it was)."""
 
@@ -142,6 +147,8 @@ class KeyService:
 
     async def _announce(self) -> None:
         self.notify_error = await bump_key_generation(self._redis)
+        if self._on_change is not None:
+            await self._on_change()
 
 
 async def bump_key_generation(redis: aioredis.Redis | None) -> str | None:

@@ -39,7 +39,7 @@ class ControlPlane:
         self.embedded = settings.database_is_embedded()
         self.database: Database = open_database(settings.database_url_or_default())
         self.keys = KeyCache(self.database.sessions, redis, admin_secret=settings.admin_secret())
-        self.key_service = KeyService(self.database.sessions, redis)
+        self.key_service = KeyService(self.database.sessions, redis, on_change=self.keys.reload)
         self.ledger = LedgerConsumer(redis, self.database.sessions, gateway_id)
         self.schema: SchemaStatus | None = None
         """The last schema version read (None: never read)."""
