@@ -23,5 +23,5 @@ def test_every_default_in_env_example_is_accepted_by_settings() -> None:
     values = dict(re.findall(r"^#(CONVEYOR_[A-Z0-9_]+)=(.+)$", render(), re.MULTILINE))
     fields = {f"CONVEYOR_{name.upper()}": name for name in Settings.model_fields}
     parsed = Settings(**{fields[key]: value for key, value in values.items()})
-    for key, value in values.items():
+    for key in values:
         assert getattr(parsed, fields[key]) == Settings.model_fields[fields[key]].default, key
