@@ -41,7 +41,7 @@ pytestmark = [
 ]
 
 E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")
-REDIS_URL = re.sub(r"/\d+$", "", E2E_REDIS_URL) + "/6"  # a db of its own
+REDIS_URL = re.sub(r"/\d+$", "", E2E_REDIS_URL) + "/11"  # a db of its own
 ADMIN_KEY = "compose-topology-admin-secret"
 DOT_ENV = {  # what an operator puts in .env for this topology
     "CONVEYOR_REDIS_URL": REDIS_URL,
