@@ -60,17 +60,23 @@ def test_every_conveyor_variable_is_a_setting() -> None:
     assert mentioned - SETTING_VARIABLES == set()
 
 
+SET_BY_SERVICES = {
+    "CONVEYOR_HOST",
+    "CONVEYOR_PORT",
+    "CONVEYOR_ALLOW_UNAUTHENTICATED_PUBLIC",
+    "CONVEYOR_KV_SIDE_CHANNEL_HOST",
+}
+"""Set by the gateway and prefill/decode services themselves."""
+
+
 def test_every_setting_reaches_the_containers() -> None:
     """The shared environment names every setting, so one set in .env is passed on."""
-    shared_env = load()["x-conveyor-env"]
-    assert SETTING_VARIABLES - set(shared_env) - SET_BY_COMMAND_OR_UP == {
-        "CONVEYOR_HOST",
-        "CONVEYOR_PORT",
-        "CONVEYOR_ALLOW_UNAUTHENTICATED_PUBLIC",
-        "CONVEYOR_KV_SIDE_CHANNEL_HOST",
-    }  # set by the gateway and prefill/decode services themselves
+    shared_env = set(load()["x-conveyor-env"])
+    missing = SETTING_VARIABLES - shared_env - SET_BY_COMMAND_OR_UP - SET_BY_SERVICES
+    assert not missing, f"add to x-conveyor-env in compose.yaml (no value): {sorted(missing)}"
+    assert not shared_env & (SET_BY_COMMAND_OR_UP | SET_BY_SERVICES)
     for name, spec in conveyor_services().items():
-        assert set(shared_env) <= set(spec["environment"]), name
+        assert shared_env <= set(spec["environment"]), name
 
 
 def test_every_interpolated_variable_is_documented_in_env_example() -> None:
