@@ -44,4 +44,16 @@ if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev
     echo "warning: no PostgreSQL binaries; the SQL tests need one on 127.0.0.1:5432" >&2
   fi
 fi
+# docker-compose (Debian's) validates compose.yaml in tests/deploy (`config` needs no
+# Docker daemon, and there is none on these machines).
+if ! command -v docker-compose >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q --no-install-recommends docker-compose >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null &&
+        apt-get install -y -q --no-install-recommends docker-compose >/dev/null; }) ||
+      echo "warning: could not install docker-compose; tests/deploy cannot validate compose.yaml" >&2
+  else
+    echo "warning: no docker-compose; tests/deploy cannot validate compose.yaml" >&2
+  fi
+fi
 echo "installed: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1)"

@@ -271,6 +271,11 @@ class WorkerSettings(ImageSettings):
     kv_side_channel_port: int | None = Field(
         None, description="NIXL side-channel port of this worker (default: a free port)."
     )
+    kv_side_channel_host: str = Field(
+        "127.0.0.1",
+        description="Address decode workers reach this prefill worker's NIXL side channel "
+        "at; `auto`: the address this host's name resolves to (containers, several hosts).",
+    )
     cpu_omp_threads_bind: str | None = Field(
         None,
         description="CPU engines: the cores (e.g. '1' or '1-3') of the model's threads "

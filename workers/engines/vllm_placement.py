@@ -53,8 +53,16 @@ def _nixl_module_path(settings: Settings) -> str | None:
 def _set_nixl_environment(settings: Settings) -> None:
     port = settings.kv_side_channel_port or _free_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", side_channel_host(settings))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores_spec(engine_cores(settings))
+
+
+def side_channel_host(settings: Settings) -> str:
+    """`auto` is the address this host's name resolves to: a container's own address on its
+    network, where a decode worker in another container (or on another host) reaches it."""
+    if settings.kv_side_channel_host != "auto":
+        return settings.kv_side_channel_host
+    return socket.gethostbyname(socket.gethostname())
 
 
 def engine_cores(settings: Settings) -> list[int]:
