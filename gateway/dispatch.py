@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.drain_rate import DrainMeter
 from gateway.plan import AnyPlan, Embedding, Generation
 from gateway.request_handle import RequestHandle
+from gateway.request_tally import prompt_tokens, sequences
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
 from shared.errors import (
@@ -33,7 +34,7 @@ from shared.errors import (
     NoLiveWorker,
     Overloaded,
 )
-from shared.job_queue import Admission, AdmissionResult, JobQueue
+from shared.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.key_limits import (
     CONCURRENCY_LEASE_S,
     KeyLimitCounters,
@@ -41,13 +42,14 @@ from shared.key_limits import (
     LimitKind,
     key_limit_error,
 )
+from shared.open_requests import OpenRequest, OpenRequests
 from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
 from shared.redis_conn import db_of
 from shared.reply_stream import ReplyRouter
 from shared.retry import Backoff, retry
 from shared.roles import Role
 from shared.settings import GatewaySettings
-from shared.usage import UsageRecord, record_usage
+from shared.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._limits = KeyLimitCounters(redis)
         self._open_charges: dict[str, LimitCharge] = {}
+        self._open_requests = OpenRequests(redis)
+        self.gateway_id = keys.gateway_of_reply_stream(router.stream)
         self.drain = DrainMeter(redis)
 
     async def _admit(
@@ -95,6 +99,7 @@ class Dispatcher:
         jobs: Sequence[Job],
         idempotency_key: str | None,
         charge: LimitCharge | None = None,
+        opened: OpenedBy | None = None,
     ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
         return await retry(
@@ -105,6 +110,7 @@ class Dispatcher:
                 idempotency_key=idempotency_key,
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
                 charge=charge,
+                opened=opened,
             ),
             for_s=self._policy.admission_retry_s,
             backoff=Backoff(first_s=0.1, max_s=1.0),
@@ -183,7 +189,9 @@ class Dispatcher:
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(stream, jobs, plan.idempotency_key, plan.charge)
+            result = await self._admit(
+                stream, jobs, plan.idempotency_key, plan.charge, self._opened_by(plan)
+            )
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
@@ -212,6 +220,17 @@ class Dispatcher:
             handle.tally.choices_per_prompt = plan.work.choices_per_prompt
         return handle
 
+    def _opened_by(self, plan: AnyPlan) -> OpenedBy:
+        """What a live gateway needs to write the request's usage row if this one dies."""
+        record = OpenRequest(
+            key_id=plan.key_id,
+            model=plan.model,
+            prompt_tokens=prompt_tokens(plan),
+            n=sequences(plan),
+            received_unix=plan.deadline.created_unix,
+        )
+        return OpenedBy(self.gateway_id, record)
+
     def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
@@ -225,7 +244,7 @@ class Dispatcher:
         async def write() -> None:
             if plan.charge is not None:
                 await self._limits.settle(plan.charge, used_tokens)
-            await record_usage(self._redis, record)
+            await self._open_requests.close(self.gateway_id, record)
 
         try:
             await retry(

@@ -149,8 +149,15 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind",
     logprobs: list[TokenLogprob] | None = None
 
 
-class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"):
-    """The sequence ended normally; the last event of a job."""
+class FinishEvent(
+    msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag_field="kind", tag="fin"
+):
+    """The sequence ended normally; the last event of a job.
+
+    A trailing field with a default is left out of the array while it holds the default
+    (``omit_defaults``), so a new optional field keeps the bytes, and older readers,
+    unchanged until a worker fills it in.
+    """
 
     request_id: str
     index: int
@@ -159,6 +166,8 @@ class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind"
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens served from the engine's prefix cache, where the engine reports it."""
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="err"):

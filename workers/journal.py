@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.errors import ConveyorError
 from shared.job_queue import Delivery
-from shared.protocol import VERSION, ErrorEvent, Event, GenerateJob, encode_payload
+from shared.open_requests import finish_note
+from shared.protocol import VERSION, ErrorEvent, Event, GenerateJob, TokenEvent, encode_payload
 from shared.redis_conn import as_text
 from shared.retry import Backoff, retry
 from workers.journal_scripts import (
@@ -100,7 +102,15 @@ class _JobWrites:
     lease: RunLease
     events: list[bytes] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    sent_tokens: int = 0
+    finish_note: tuple[str, str] = ("", "")
     finish: bool = False
+
+    def add(self, event: Event) -> None:
+        self.events.append(encode_payload(event))
+        if isinstance(event, TokenEvent):
+            self.sent_tokens += len(event.token_ids)
+        self.finish_note = finish_note(event) or self.finish_note
 
     def row(self) -> tuple[WriteRow, list[bytes]]:
         lease, stream = self.lease, self.lease.delivery.stream
@@ -114,6 +124,11 @@ class _JobWrites:
             ack_stream=stream if self.finish else "",
             ack_entry=lease.delivery.entry_id if self.finish else "",
             done_key=keys.stream_done_counter(stream),
+            sent=keys.sent_tally(lease.delivery.job.request_id),
+            sent_tokens=self.sent_tokens,
+            now_ms=int(time.time() * 1000),
+            finish_field=self.finish_note[0],
+            finish_value=self.finish_note[1],
             event_count=len(self.events),
         )
         return row, self.events
@@ -170,7 +185,7 @@ class RunJournal:
 
     def publish(self, lease: RunLease, event: Event, token_ids: list[int]) -> None:
         writes = self._writes(lease)
-        writes.events.append(encode_payload(event))
+        writes.add(event)
         writes.tokens.extend(token_ids)
 
     def fail(self, lease: RunLease, error: ConveyorError) -> None:
@@ -193,7 +208,7 @@ class RunJournal:
         """The job is done (final event, or none when the client left): ack it."""
         writes = self._writes(lease)
         if event is not None:
-            writes.events.append(encode_payload(event))
+            writes.add(event)
         writes.finish = True
 
     def _writes(self, lease: RunLease) -> _JobWrites:
@@ -229,7 +244,12 @@ class RunJournal:
                 self._idle.set()
 
     async def _send(self, batch: list[_JobWrites]) -> None:
-        header = WriteHeader(version=VERSION, group=keys.JOB_GROUP, job_count=len(batch))
+        header = WriteHeader(
+            version=VERSION,
+            group=keys.JOB_GROUP,
+            job_count=len(batch),
+            sent_ttl_ms=self._run_ttl_ms,
+        )
         rows = [writes.row() for writes in batch]
         fenced = await self._retrying(lambda: self._scripts.write(header, rows), "journal write")
         for run_key in fenced:
