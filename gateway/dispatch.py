@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +80,11 @@ class Dispatcher:
         router: ReplyRouter,
         directory: WorkerDirectory,
         policy: AdmissionPolicy,
+        *,
+        on_usage: Callable[[UsageRecord], None] = lambda record: None,
     ) -> None:
         self._redis = redis
+        self._on_usage = on_usage
         self._queue = JobQueue(redis)
         self._router = router
         self._directory = directory
@@ -237,6 +240,7 @@ class Dispatcher:
         self.close(plan.request_id, cancel=cancel)
         self._open_charges.pop(plan.request_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
+        self._on_usage(record)
         used = handle.tally.used_tokens()
         self._in_background(self._account(plan, record, used))
 
