@@ -60,7 +60,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 name="gateway-liveness",
             ),
             asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
-            asyncio.create_task(state.dispatcher.renew_limit_leases(), name="limit-leases"),
+            asyncio.create_task(state.dispatcher.accounting.renew_leases(), name="limit-leases"),
         ]
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.drain_rate import DrainMeter
 from gateway.plan import AnyPlan, Embedding, Generation
+from gateway.request_accounting import RequestAccounting
 from gateway.request_handle import RequestHandle
-from gateway.request_tally import prompt_tokens, sequences
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
 from shared.errors import (
@@ -36,13 +35,10 @@ from shared.errors import (
 )
 from shared.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.key_limits import (
-    CONCURRENCY_LEASE_S,
-    KeyLimitCounters,
     LimitCharge,
     LimitKind,
     key_limit_error,
 )
-from shared.open_requests import OpenRequest, OpenRequests
 from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
 from shared.redis_conn import db_of
 from shared.reply_stream import ReplyRouter
@@ -84,16 +80,14 @@ class Dispatcher:
         on_usage: Callable[[UsageRecord], None] = lambda record: None,
     ) -> None:
         self._redis = redis
-        self._on_usage = on_usage
         self._queue = JobQueue(redis)
         self._router = router
         self._directory = directory
         self._policy = policy
         self._background: set[asyncio.Task[None]] = set()
-        self._limits = KeyLimitCounters(redis)
-        self._open_charges: dict[str, LimitCharge] = {}
-        self._open_requests = OpenRequests(redis)
-        self.gateway_id = keys.gateway_of_reply_stream(router.stream)
+        self.accounting = RequestAccounting(
+            redis, keys.gateway_of_reply_stream(router.stream), on_usage
+        )
         self.drain = DrainMeter(redis)
 
     async def _admit(
@@ -193,7 +187,7 @@ class Dispatcher:
         events = self._router.open(request_id)
         try:
             result = await self._admit(
-                stream, jobs, plan.idempotency_key, plan.charge, self._opened_by(plan)
+                stream, jobs, plan.idempotency_key, plan.charge, self.accounting.opened_by(plan)
             )
         except RedisError as exc:
             self._router.close(request_id)
@@ -209,8 +203,7 @@ class Dispatcher:
                 retry_after = self.drain.retry_after_s(stream, excess)
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
-        if plan.charge is not None:
-            self._open_charges[request_id] = plan.charge
+        self.accounting.opened(plan)
         handle = RequestHandle(
             request_id,
             len(jobs),
@@ -223,55 +216,13 @@ class Dispatcher:
             handle.tally.choices_per_prompt = plan.work.choices_per_prompt
         return handle
 
-    def _opened_by(self, plan: AnyPlan) -> OpenedBy:
-        """What a live gateway needs to write the request's usage row if this one dies."""
-        record = OpenRequest(
-            key_id=plan.key_id,
-            model=plan.model,
-            prompt_tokens=prompt_tokens(plan),
-            n=sequences(plan),
-            received_unix=plan.deadline.created_unix,
-        )
-        return OpenedBy(self.gateway_id, record)
-
     def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
-        self._open_charges.pop(plan.request_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
-        self._on_usage(record)
         used = handle.tally.used_tokens()
-        self._in_background(self._account(plan, record, used))
-
-    async def _account(self, plan: AnyPlan, record: UsageRecord, used_tokens: int) -> None:
-        async def write() -> None:
-            if plan.charge is not None:
-                await self._limits.settle(plan.charge, used_tokens)
-            await self._open_requests.close(self.gateway_id, record)
-
-        try:
-            await retry(
-                write,
-                for_s=30.0,
-                backoff=Backoff(first_s=0.1, max_s=1.0),
-                what=f"usage of {plan.request_id}",
-            )
-        except RedisError as exc:
-            log.error("usage of %s not recorded: %s", plan.request_id, exc)
-
-    async def renew_limit_leases(self, interval_s: float = CONCURRENCY_LEASE_S / 3) -> None:
-        """Keep this gateway's open requests in their keys' concurrency sets."""
-        while True:
-            await asyncio.sleep(interval_s)
-            by_key: dict[str, list[str]] = {}
-            for request_id, charge in list(self._open_charges.items()):
-                by_key.setdefault(charge.key_id, []).append(request_id)
-            try:
-                for key_id, request_ids in by_key.items():
-                    await self._limits.renew(key_id, request_ids, time.time())
-            except RedisError as exc:
-                log.warning("could not renew concurrency leases: %s", exc)
+        self._in_background(self.accounting.settle(plan, record, used))
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)
