@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="with --compare: run both servers at once and alternate rounds, "
-        "so background load from other processes hits both alike",
+        help="with --compare, --disaggregated or --variant: run every server at once and "
+        "alternate rounds, so background load from other processes hits them alike",
     )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128, help="requests per round")
@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             "need --concurrency, --requests, --rounds >= 1 and --input-tokens >= 8", file=sys.stderr
         )
         return 2
-    if args.interleave and not (args.compare or args.disaggregated):
-        print("--interleave needs --compare or --disaggregated", file=sys.stderr)
+    if args.interleave and not (args.compare or args.disaggregated or args.variant):
+        print("--interleave needs --compare, --disaggregated or --variant", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM both unwind through the finally blocks that stop the servers
     # (SIGINT explicitly too: a shell starts background jobs with SIGINT ignored).
