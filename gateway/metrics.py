@@ -192,14 +192,18 @@ class RequestMetrics:
         try:
             await self._app(scope, receive, sending)
         finally:
-            state: GatewayState | None = getattr(scope["app"].state, "gateway", None)
-            if state is not None:
+            # Before the lifespan has built the state (or in a test app without one), the
+            # answer is not counted.
+            state = getattr(scope["app"].state, "gateway", None)
+            metrics = getattr(state, "metrics", None)
+            if isinstance(metrics, GatewayMetrics):
                 route = getattr(scope.get("route"), "path", "unmatched")
                 model = _model_label(state, scope.get("state", {}).get("model"))
-                state.metrics.requests.labels(route, model, str(status)).inc()
+                metrics.requests.labels(route, model, str(status)).inc()
 
 
-def _model_label(state: GatewayState, model: object) -> str:
+def _model_label(state: Any, model: object) -> str:
     if not isinstance(model, str):
         return ""
-    return model if model in {m.name for m in state.catalog.all()} else UNKNOWN_MODEL
+    served = {m.name for m in state.catalog.all()}
+    return model if model in served else UNKNOWN_MODEL
