@@ -240,3 +240,22 @@ def test_ledger_counts_a_disconnected_stream_up_to_where_it_stopped(fleet: Fleet
     row = fleet.ledger_row(key_id, request_id)
     assert row["status"] == "cancelled"
     assert counted <= row["completion_tokens"] < 1900
+
+
+def test_prefix_cache_hits_reach_usage_and_the_ledger(fleet: Fleet) -> None:
+    """The same long prompt twice: vLLM serves whole 128-token blocks of the second from
+    its prefix cache, and says so in usage and the ledger."""
+    key_id, secret = fleet.create_key()
+    client = fleet.client(secret)
+    long_prompt = [{"role": "user", "content": "the tide comes in and goes out " * 60}]
+    answers = [
+        client.chat.completions.create(model=fleet.model, messages=long_prompt, max_tokens=2)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    usage = answers[1].usage
+    assert usage is not None and usage.prompt_tokens > 256
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= 128 and details.cached_tokens % 128 == 0
+    row = fleet.ledger_row(key_id, answers[1].id)
+    assert row["cached_prompt_tokens"] == details.cached_tokens
