@@ -25,6 +25,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 
 ADMIN_KEY = "e2e-admin-key-0123456789abcdef"
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+AUTH_GATEWAY_ENV = {
+    "CONVEYOR_ADMIN_KEY": ADMIN_KEY,
+    # A short liveness TTL: the others' sweep writes a dead one's usage within seconds.
+    "CONVEYOR_GATEWAY_LIVENESS_TTL_S": "2",
+}
 T = TypeVar("T")
 
 
@@ -77,8 +82,7 @@ def _bearer(secret: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fleet(running: Running) -> Iterator[Fleet]:
     gateways = [
-        running.stack.start_gateway(f"auth-gateway-{n}", CONVEYOR_ADMIN_KEY=ADMIN_KEY)
-        for n in range(2)
+        running.stack.start_gateway(f"auth-gateway-{n}", **AUTH_GATEWAY_ENV) for n in range(2)
     ]
     try:
         for process, url in gateways:
@@ -259,3 +263,30 @@ def test_prefix_cache_hits_reach_usage_and_the_ledger(fleet: Fleet) -> None:
     assert details.cached_tokens >= 128 and details.cached_tokens % 128 == 0
     row = fleet.ledger_row(key_id, answers[1].id)
     assert row["cached_prompt_tokens"] == details.cached_tokens
+
+
+def test_a_request_whose_gateway_died_is_billed_from_what_the_worker_sent(
+    fleet: Fleet, running: Running
+) -> None:
+    """A third gateway is SIGKILLed mid-stream: a live gateway's sweep writes the
+    request's one usage row from the worker's tally (at least what the client read)."""
+    key_id, secret = fleet.create_key()
+    doomed, url = running.stack.start_gateway("doomed-gateway", **AUTH_GATEWAY_ENV)
+    wait_until(f"{url}/ready", status=200, process=doomed, timeout_s=60)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0)
+    counted, request_id = 0, ""
+    stream = _chat(
+        client, fleet.model, stream=True, max_tokens=1900, extra_body={"ignore_eos": True}
+    )
+    for read, chunk in enumerate(stream):
+        request_id = chunk.id
+        counted += sum(_counted(choice.logprobs) for choice in chunk.choices)
+        if read == 5:
+            break
+    doomed.popen.kill()
+    doomed.popen.wait()
+    stream.close()
+    row = fleet.ledger_row(key_id, request_id, timeout_s=60)
+    assert row["status"] in ("failed", "completed")
+    assert counted <= row["completion_tokens"] <= 1900
+    assert row["prompt_tokens"] > 0 and row["n"] == 1
