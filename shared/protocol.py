@@ -149,14 +149,12 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind",
     logprobs: list[TokenLogprob] | None = None
 
 
-class FinishEvent(
-    msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, tag_field="kind", tag="fin"
-):
+class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"):
     """The sequence ended normally; the last event of a job.
 
-    A trailing field with a default is left out of the array while it holds the default
-    (``omit_defaults``), so a new optional field keeps the bytes, and older readers,
-    unchanged until a worker fills it in.
+    A field added later goes at the end with a default: a reader that knows it decodes
+    arrays written before it (the default fills in), and one that does not ignores the
+    extra trailing item, so no protocol version bump is needed.
     """
 
     request_id: str
