@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -34,8 +32,7 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.errors import ConveyorError
 from shared.job_queue import Delivery
-from shared.open_requests import finish_note
-from shared.protocol import VERSION, ErrorEvent, Event, GenerateJob, TokenEvent, encode_payload
+from shared.protocol import VERSION, ErrorEvent, Event, GenerateJob, encode_payload
 from shared.redis_conn import as_text
 from shared.retry import Backoff, retry
 from workers.journal_scripts import (
@@ -46,8 +43,8 @@ from workers.journal_scripts import (
     RefreshHeader,
     RefreshRow,
     WriteHeader,
-    WriteRow,
 )
+from workers.journal_writes import JobWrites, unpack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +52,6 @@ T = TypeVar("T")
 
 JOURNAL_RETRY_S = 30.0
 """How long a journal write rides out Redis trouble before the journal gives up."""
-_TOKEN = struct.Struct("<i")
-
-
-def pack_tokens(token_ids: list[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}i", *token_ids)
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    return [value for (value,) in _TOKEN.iter_unpack(data)]
 
 
 @dataclass(slots=True)
@@ -97,43 +85,6 @@ class RunLease:
         return seq
 
 
-@dataclass(slots=True)
-class _JobWrites:
-    lease: RunLease
-    events: list[bytes] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    sent_tokens: int = 0
-    finish_note: tuple[str, str] = ("", "")
-    finish: bool = False
-
-    def add(self, event: Event) -> None:
-        self.events.append(encode_payload(event))
-        if isinstance(event, TokenEvent):
-            self.sent_tokens += len(event.token_ids)
-        self.finish_note = finish_note(event) or self.finish_note
-
-    def row(self) -> tuple[WriteRow, list[bytes]]:
-        lease, stream = self.lease, self.lease.delivery.stream
-        row = WriteRow(
-            run=lease.run_key,
-            emitted=lease.emitted_key,
-            fence=lease.fence,
-            reply_to=lease.delivery.job.reply_to,
-            seq_after=lease.next_seq,
-            tokens=pack_tokens(self.tokens),
-            ack_stream=stream if self.finish else "",
-            ack_entry=lease.delivery.entry_id if self.finish else "",
-            done_key=keys.stream_done_counter(stream),
-            sent=keys.sent_tally(lease.delivery.job.request_id),
-            sent_tokens=self.sent_tokens,
-            now_ms=int(time.time() * 1000),
-            finish_field=self.finish_note[0],
-            finish_value=self.finish_note[1],
-            event_count=len(self.events),
-        )
-        return row, self.events
-
-
 class RunJournal:
     def __init__(
         self,
@@ -151,7 +102,7 @@ class RunJournal:
         self._on_fenced = on_fenced
         self._retry_for_s = retry_for_s
         self._scripts = scripts or JournalScripts(redis)
-        self._pending: dict[str, _JobWrites] = {}
+        self._pending: dict[str, JobWrites] = {}
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -211,10 +162,10 @@ class RunJournal:
             writes.add(event)
         writes.finish = True
 
-    def _writes(self, lease: RunLease) -> _JobWrites:
+    def _writes(self, lease: RunLease) -> JobWrites:
         writes = self._pending.get(lease.fence)
         if writes is None:
-            writes = self._pending[lease.fence] = _JobWrites(lease)
+            writes = self._pending[lease.fence] = JobWrites(lease)
         if self._failed is not None:
             return writes  # nothing will write it: keep flush() from waiting forever
         self._idle.clear()
@@ -243,7 +194,7 @@ class RunJournal:
             if not self._pending:
                 self._idle.set()
 
-    async def _send(self, batch: list[_JobWrites]) -> None:
+    async def _send(self, batch: list[JobWrites]) -> None:
         header = WriteHeader(
             version=VERSION,
             group=keys.JOB_GROUP,
