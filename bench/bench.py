@@ -32,6 +32,7 @@ from bench.servers import (
     conveyor_server,
     drop_stale_jobs,
     kv_transfers,
+    limited_key,
     parse_env,
     running,
     vllm_server,
@@ -54,6 +55,8 @@ class Target:
     redis_port: int | None = None
     redis_url: str | None = None
     """Set for a disaggregated Conveyor: its decode workers report KV transfer times here."""
+    api_key: str | None = None
+    """Sent as a Bearer key (a variant with auth on: a key with limits, see servers.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,9 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="with --compare, --disaggregated or --variant: run the servers at once and "
-        "alternate rounds, "
-        "so background load from other processes hits both alike",
+        help="with --compare, --disaggregated or --variant: run every server at once and "
+        "alternate rounds, so background load from other processes hits them alike",
     )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128, help="requests per round")
@@ -160,6 +162,7 @@ def _load(
             bodies,
             concurrency=args.concurrency,
             output_tokens=args.output_tokens,
+            api_key=target.api_key,
         )
     )
 
@@ -320,7 +323,8 @@ def _start(
             server.name, server.base_url, server.pid, _port(args.pd_redis_url), args.pd_redis_url
         )
     redis_port = _port(args.redis_url) if server.name == "conveyor" else None
-    return Target(server.name, server.base_url, server.pid, redis_port)
+    api_key = limited_key(server)
+    return Target(server.name, server.base_url, server.pid, redis_port, api_key=api_key)
 
 
 def _port(url: str) -> int:

@@ -135,9 +135,12 @@ async def one_request(
     return result
 
 
-def new_session(base_url: str, concurrency: int) -> aiohttp.ClientSession:
+def new_session(
+    base_url: str, concurrency: int, api_key: str | None = None
+) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         base_url=base_url,
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         timeout=aiohttp.ClientTimeout(total=600.0, sock_connect=10.0),
         connector=aiohttp.TCPConnector(limit=concurrency),
         trust_env=False,  # never route loopback traffic through a proxy from the environment
@@ -151,6 +154,7 @@ async def run_load(
     *,
     concurrency: int,
     output_tokens: int,
+    api_key: str | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every body, ``concurrency`` at a time; returns the results and the wall time."""
     pending = iter(bodies)
@@ -160,7 +164,7 @@ async def run_load(
         for body in pending:  # the iterator is shared: each body is taken once
             results.append(await one_request(session, path, body, output_tokens))
 
-    async with new_session(base_url, concurrency) as session:
+    async with new_session(base_url, concurrency, api_key) as session:
         started = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             for _ in range(concurrency):

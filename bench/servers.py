@@ -170,7 +170,7 @@ def conveyor_server(
         "--workers",
         "1",
         "--data-dir",
-        str(log_dir / "conveyor-data"),
+        str(log_dir / f"{name}-data"),  # each its own SQLite state (keys, ledger)
         "--dtype",
         dtype,
         "--worker-max-slots",
@@ -214,6 +214,33 @@ def vllm_server(
     # Conveyor's worker does the same (setdefault from --kv-cache-gib, default 1 GiB).
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env_overrides or {})}
     return ManagedServer(name, command, env, port, "/v1/models", log_dir / f"{name}.log")
+
+
+BENCH_KEY_LIMITS = {
+    "rpm": 10**7,
+    "tpm": 10**12,
+    "max_concurrent": 10**5,
+    "budget_tokens": 10**15,
+    "budget_period": "month",
+}
+"""Limits no bench run reaches: every check of the admission script runs, none refuses."""
+
+
+def limited_key(server: ManagedServer) -> str | None:
+    """With auth on (CONVEYOR_ADMIN_KEY in its env), an inference key carrying every limit,
+    created through /admin/keys; the load then runs with it. None: auth is off."""
+    admin = server.env.get("CONVEYOR_ADMIN_KEY")
+    if not admin:
+        return None
+    response = httpx.post(
+        f"{server.base_url}/admin/keys",
+        json={"name": "bench", **BENCH_KEY_LIMITS},
+        headers={"Authorization": f"Bearer {admin}"},
+        timeout=30,
+    )
+    response.raise_for_status()
+    secret: str = response.json()["key"]
+    return secret
 
 
 def parse_env(spec: str) -> dict[str, str]:

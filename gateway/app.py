@@ -23,8 +23,9 @@ from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.error_handlers import install_error_handlers
 from gateway.image_fetch import FetchPolicy, ImageFetcher
 from gateway.image_inputs import ImageInputs
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
-from gateway.routes import admin, health, openai
+from gateway.routes import admin, health, metrics, openai
 from gateway.state import GatewayState
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
@@ -59,7 +60,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 name="gateway-liveness",
             ),
             asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
-            asyncio.create_task(state.dispatcher.renew_limit_leases(), name="limit-leases"),
+            asyncio.create_task(state.dispatcher.accounting.renew_leases(), name="limit-leases"),
         ]
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
         try:
@@ -88,8 +89,10 @@ def build_app(
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RequestMetrics)
     app.include_router(openai.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(admin.router)
     return app
 
@@ -115,13 +118,16 @@ def build_state(
     and their own catalog); the lifespan starts its background tasks."""
     router = ReplyRouter(redis, keys.reply_stream(gateway_id))
     directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
+    metrics = GatewayMetrics()
     dispatcher = Dispatcher(
         redis,
         router,
         directory,
         AdmissionPolicy.from_settings(settings),
+        on_usage=metrics.observe_usage,
     )
     return GatewayState(
+        metrics=metrics,
         settings=settings,
         gateway_id=gateway_id,
         redis=redis,

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.drain_rate import DrainMeter
 from gateway.plan import AnyPlan, Embedding, Generation
+from gateway.request_accounting import RequestAccounting
 from gateway.request_handle import RequestHandle
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
@@ -33,10 +33,8 @@ from shared.errors import (
     NoLiveWorker,
     Overloaded,
 )
-from shared.job_queue import Admission, AdmissionResult, JobQueue
+from shared.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.key_limits import (
-    CONCURRENCY_LEASE_S,
-    KeyLimitCounters,
     LimitCharge,
     LimitKind,
     key_limit_error,
@@ -47,7 +45,7 @@ from shared.reply_stream import ReplyRouter
 from shared.retry import Backoff, retry
 from shared.roles import Role
 from shared.settings import GatewaySettings
-from shared.usage import UsageRecord, record_usage
+from shared.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +76,8 @@ class Dispatcher:
         router: ReplyRouter,
         directory: WorkerDirectory,
         policy: AdmissionPolicy,
+        *,
+        on_usage: Callable[[UsageRecord], None] = lambda record: None,
     ) -> None:
         self._redis = redis
         self._queue = JobQueue(redis)
@@ -85,8 +85,9 @@ class Dispatcher:
         self._directory = directory
         self._policy = policy
         self._background: set[asyncio.Task[None]] = set()
-        self._limits = KeyLimitCounters(redis)
-        self._open_charges: dict[str, LimitCharge] = {}
+        self.accounting = RequestAccounting(
+            redis, keys.gateway_of_reply_stream(router.stream), on_usage
+        )
         self.drain = DrainMeter(redis)
 
     async def _admit(
@@ -95,6 +96,7 @@ class Dispatcher:
         jobs: Sequence[Job],
         idempotency_key: str | None,
         charge: LimitCharge | None = None,
+        opened: OpenedBy | None = None,
     ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
         return await retry(
@@ -105,6 +107,7 @@ class Dispatcher:
                 idempotency_key=idempotency_key,
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
                 charge=charge,
+                opened=opened,
             ),
             for_s=self._policy.admission_retry_s,
             backoff=Backoff(first_s=0.1, max_s=1.0),
@@ -183,7 +186,9 @@ class Dispatcher:
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(stream, jobs, plan.idempotency_key, plan.charge)
+            result = await self._admit(
+                stream, jobs, plan.idempotency_key, plan.charge, self.accounting.opened_by(plan)
+            )
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
@@ -198,8 +203,7 @@ class Dispatcher:
                 retry_after = self.drain.retry_after_s(stream, excess)
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
-        if plan.charge is not None:
-            self._open_charges[request_id] = plan.charge
+        self.accounting.opened(plan)
         handle = RequestHandle(
             request_id,
             len(jobs),
@@ -216,39 +220,9 @@ class Dispatcher:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
-        self._open_charges.pop(plan.request_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
-        self._in_background(self._account(plan, record, used))
-
-    async def _account(self, plan: AnyPlan, record: UsageRecord, used_tokens: int) -> None:
-        async def write() -> None:
-            if plan.charge is not None:
-                await self._limits.settle(plan.charge, used_tokens)
-            await record_usage(self._redis, record)
-
-        try:
-            await retry(
-                write,
-                for_s=30.0,
-                backoff=Backoff(first_s=0.1, max_s=1.0),
-                what=f"usage of {plan.request_id}",
-            )
-        except RedisError as exc:
-            log.error("usage of %s not recorded: %s", plan.request_id, exc)
-
-    async def renew_limit_leases(self, interval_s: float = CONCURRENCY_LEASE_S / 3) -> None:
-        """Keep this gateway's open requests in their keys' concurrency sets."""
-        while True:
-            await asyncio.sleep(interval_s)
-            by_key: dict[str, list[str]] = {}
-            for request_id, charge in list(self._open_charges.items()):
-                by_key.setdefault(charge.key_id, []).append(request_id)
-            try:
-                for key_id, request_ids in by_key.items():
-                    await self._limits.renew(key_id, request_ids, time.time())
-            except RedisError as exc:
-                log.warning("could not renew concurrency leases: %s", exc)
+        self._in_background(self.accounting.settle(plan, record, used))
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)

@@ -24,11 +24,25 @@ def reserved_tokens(plan: AnyPlan) -> int:
     return sum(len(choice.prompt_token_ids) + choice.sampling.max_tokens for choice in work.choices)
 
 
+def prompt_tokens(plan: AnyPlan) -> int:
+    """The plan's prompt tokens, every prompt once (as usage counts them)."""
+    work = plan.work
+    if isinstance(work, Embedding):
+        return sum(len(prompt) for prompt in work.prompts)
+    return sum(len(choice.prompt_token_ids) for choice in work.choices[:: work.choices_per_prompt])
+
+
+def sequences(plan: AnyPlan) -> int:
+    work = plan.work
+    return len(work.prompts) if isinstance(work, Embedding) else len(work.choices)
+
+
 @dataclass(slots=True)
 class RequestTally:
     received_unix: float
     choices_per_prompt: int = 1
     prompt_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
+    cached_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
     first_token_unix: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
@@ -42,9 +56,10 @@ class RequestTally:
                 self.first_token_unix = time.time()
             self.completion_tokens += len(event.token_ids)
         elif isinstance(event, FinishEvent):
-            self.prompt_tokens_by_prompt[event.index // self.choices_per_prompt] = (
-                event.prompt_tokens
-            )
+            prompt = event.index // self.choices_per_prompt
+            self.prompt_tokens_by_prompt[prompt] = event.prompt_tokens
+            if event.cached_tokens is not None:
+                self.cached_tokens_by_prompt[prompt] = event.cached_tokens
             self.finish_reasons.append(event.finish_reason)
         elif isinstance(event, EmbeddingEvent):
             self.prompt_tokens_by_prompt[event.index] = event.prompt_tokens
@@ -55,6 +70,13 @@ class RequestTally:
     def prompt_tokens(self) -> int:
         return sum(self.prompt_tokens_by_prompt.values())
 
+    @property
+    def cached_prompt_tokens(self) -> int | None:
+        """None when the engine reported no prefix-cache figure."""
+        if not self.cached_tokens_by_prompt:
+            return None
+        return sum(self.cached_tokens_by_prompt.values())
+
     def used_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
@@ -64,19 +86,18 @@ class RequestTally:
             status = "failed"
         elif cancelled:
             status = "cancelled"
-        work = plan.work
-        sequences = len(work.prompts) if isinstance(work, Embedding) else len(work.choices)
         return UsageRecord(
             request_id=plan.request_id,
             key_id=key_id,
             model=plan.model,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
             status=status,
             received_unix=self.received_unix,
             finished_unix=time.time(),
             first_token_unix=self.first_token_unix,
             finish_reason=self.finish_reasons[0] if len(set(self.finish_reasons)) == 1 else None,
-            n=sequences,
+            n=sequences(plan),
             migrations=self.migrations,
         )

@@ -26,19 +26,29 @@ class Usage:
 
     choices_per_prompt: int
     prompt_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
+    cached_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
     def add(self, event: FinishEvent) -> None:
-        self.prompt_tokens_by_prompt[event.index // self.choices_per_prompt] = event.prompt_tokens
+        prompt = event.index // self.choices_per_prompt
+        self.prompt_tokens_by_prompt[prompt] = event.prompt_tokens
+        if event.cached_tokens is not None:
+            self.cached_tokens_by_prompt[prompt] = event.cached_tokens
         self.completion_tokens += event.completion_tokens
 
     def as_json(self) -> Json:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` where the engine
+        reports prefix-cache hits."""
         prompt = sum(self.prompt_tokens_by_prompt.values())
-        return {
+        body: Json = {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
         }
+        if self.cached_tokens_by_prompt:
+            cached = sum(self.cached_tokens_by_prompt.values())
+            body["prompt_tokens_details"] = {"cached_tokens": cached}
+        return body
 
 
 class ResponseFormat:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import redis.asyncio as aioredis
@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from gateway.control.plane import ControlPlane
 from gateway.dispatch import Dispatcher
 from gateway.image_inputs import ImageInputs
+from gateway.metrics import GatewayMetrics
 from gateway.model_catalog import ModelCatalog
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
@@ -29,6 +30,7 @@ class GatewayState:
     dispatcher: Dispatcher
     unknown_fields: UnknownFieldLog
     images: ImageInputs
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False
     control: ControlPlane | None = None
     """SQL-backed parts (API keys, usage ledger); set by the lifespan once started."""

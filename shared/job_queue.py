@@ -26,6 +26,7 @@ from shared.key_limits import (
     LimitUsage,
     usage_from_reply,
 )
+from shared.open_requests import OPEN_TTL_S, OpenRequest, encode_open
 from shared.protocol import VERSION, EmbedJob, GenerateJob, Job, decode, encode
 from shared.redis_conn import as_text
 from shared.roles import Role
@@ -36,9 +37,11 @@ _ADMIT = (
     ADMIT_LIMITS_LUA
     + """
 -- KEYS: stream, idempotency key ('' = none), admitted marker, then the key-limit
--- counters (see shared.key_limits). ARGV: max depth, idempotency ttl, request id,
--- protocol version, job count, 1 if the request is limited, then the limit arguments
--- (when limited), then one payload per job.
+-- counters (see shared.key_limits), then the gateway's open-requests hash (when the
+-- open record is given). ARGV: max depth, idempotency ttl, request id, protocol
+-- version, job count, 1 if the request is limited, then the limit arguments (when
+-- limited), then one payload per job, then the open record (shared.open_requests;
+-- optional), then its hash's ttl.
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
@@ -65,6 +68,11 @@ for i = first_job, first_job + count - 1 do
 end
 if limited then used = limits_charge(7, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
+local opened = ARGV[first_job + count]
+if opened then
+  redis.call('HSET', KEYS[#KEYS], request_id, opened)
+  redis.call('EXPIRE', KEYS[#KEYS], tonumber(ARGV[first_job + count + 1]))
+end
 redis.call('SET', admitted, '1', 'EX', 600)
 return {'queued', tostring(depth + count), used}
 """.replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
@@ -86,6 +94,14 @@ class AdmissionResult:
     or the limit the request would pass (limited: a :class:`LimitKind` value)."""
     usage: LimitUsage | None = None
     """With a limited key: its counts after admission (or at refusal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedBy:
+    """The gateway that queues a request, and the request's open record."""
+
+    gateway_id: str
+    record: OpenRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +141,12 @@ class JobQueue:
         idempotency_key: str | None = None,
         idempotency_ttl_s: int = 3600,
         charge: LimitCharge | None = None,
+        opened: OpenedBy | None = None,
     ) -> AdmissionResult:
         """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once.
 
-        With ``charge``, the key's limits are checked and counted in the same step.
+        With ``charge``, the key's limits are checked and counted in the same step; with
+        ``opened``, the request's open record is stored (shared/open_requests.py).
         """
         if not jobs:
             raise ValueError("submit needs at least one job")
@@ -145,8 +163,14 @@ class JobQueue:
         limit_args = charge.args() if charge is not None else []
         payloads = [encode(job)[b"m"] for job in jobs]
         admitted = keys.admitted(jobs[0].request_id)
+        open_keys: list[str] = []
+        open_args: list[bytes | int] = []
+        if opened is not None:
+            open_keys = [keys.open_requests(opened.gateway_id)]
+            open_args = [encode_open(opened.record), OPEN_TTL_S]
         outcome, detail, counts = await self._admit(
-            keys=[stream, idem, admitted, *limit_keys], args=[*header, *limit_args, *payloads]
+            keys=[stream, idem, admitted, *limit_keys, *open_keys],
+            args=[*header, *limit_args, *payloads, *open_args],
         )
         usage = usage_from_reply(charge, counts) if charge is not None else None
         return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage)

@@ -141,3 +141,22 @@ def key_concurrency(key_id: str) -> str:
 def key_budget(key_id: str, period: str) -> str:
     """A key's tokens used in one budget period (``d20261124``, ``m202611``)."""
     return f"{PREFIX}:limit:{key_id}:budget:{period}"
+
+
+def open_requests(gateway_id: str) -> str:
+    """Hash: request id -> the usage record's start (shared/open_requests.py), for every
+    request the gateway queued and has not recorded usage for yet."""
+    return f"{PREFIX}:open-requests:{gateway_id}"
+
+
+OPEN_REQUESTS_PATTERN = f"{PREFIX}:open-requests:*"
+
+
+def gateway_of_open_requests(key: str) -> str:
+    return key.removeprefix(open_requests(""))
+
+
+def sent_tally(request_id: str) -> str:
+    """Hash: what workers published for a request, all its sequences together (written by
+    the run journal; read only when its gateway died: shared/open_requests.py)."""
+    return f"{PREFIX}:sent:{request_id}"

@@ -150,7 +150,12 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind",
 
 
 class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"):
-    """The sequence ended normally; the last event of a job."""
+    """The sequence ended normally; the last event of a job.
+
+    A field added later goes at the end with a default: a reader that knows it decodes
+    arrays written before it (the default fills in), and one that does not ignores the
+    extra trailing item, so no protocol version bump is needed.
+    """
 
     request_id: str
     index: int
@@ -159,6 +164,8 @@ class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind"
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens served from the engine's prefix cache, where the engine reports it."""
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="err"):

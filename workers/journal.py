@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -44,8 +43,8 @@ from workers.journal_scripts import (
     RefreshHeader,
     RefreshRow,
     WriteHeader,
-    WriteRow,
 )
+from workers.journal_writes import JobWrites, unpack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +52,6 @@ T = TypeVar("T")
 
 JOURNAL_RETRY_S = 30.0
 """How long a journal write rides out Redis trouble before the journal gives up."""
-_TOKEN = struct.Struct("<i")
-
-
-def pack_tokens(token_ids: list[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}i", *token_ids)
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    return [value for (value,) in _TOKEN.iter_unpack(data)]
 
 
 @dataclass(slots=True)
@@ -95,30 +85,6 @@ class RunLease:
         return seq
 
 
-@dataclass(slots=True)
-class _JobWrites:
-    lease: RunLease
-    events: list[bytes] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    finish: bool = False
-
-    def row(self) -> tuple[WriteRow, list[bytes]]:
-        lease, stream = self.lease, self.lease.delivery.stream
-        row = WriteRow(
-            run=lease.run_key,
-            emitted=lease.emitted_key,
-            fence=lease.fence,
-            reply_to=lease.delivery.job.reply_to,
-            seq_after=lease.next_seq,
-            tokens=pack_tokens(self.tokens),
-            ack_stream=stream if self.finish else "",
-            ack_entry=lease.delivery.entry_id if self.finish else "",
-            done_key=keys.stream_done_counter(stream),
-            event_count=len(self.events),
-        )
-        return row, self.events
-
-
 class RunJournal:
     def __init__(
         self,
@@ -136,7 +102,7 @@ class RunJournal:
         self._on_fenced = on_fenced
         self._retry_for_s = retry_for_s
         self._scripts = scripts or JournalScripts(redis)
-        self._pending: dict[str, _JobWrites] = {}
+        self._pending: dict[str, JobWrites] = {}
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -170,7 +136,7 @@ class RunJournal:
 
     def publish(self, lease: RunLease, event: Event, token_ids: list[int]) -> None:
         writes = self._writes(lease)
-        writes.events.append(encode_payload(event))
+        writes.add(event)
         writes.tokens.extend(token_ids)
 
     def fail(self, lease: RunLease, error: ConveyorError) -> None:
@@ -193,13 +159,13 @@ class RunJournal:
         """The job is done (final event, or none when the client left): ack it."""
         writes = self._writes(lease)
         if event is not None:
-            writes.events.append(encode_payload(event))
+            writes.add(event)
         writes.finish = True
 
-    def _writes(self, lease: RunLease) -> _JobWrites:
+    def _writes(self, lease: RunLease) -> JobWrites:
         writes = self._pending.get(lease.fence)
         if writes is None:
-            writes = self._pending[lease.fence] = _JobWrites(lease)
+            writes = self._pending[lease.fence] = JobWrites(lease)
         if self._failed is not None:
             return writes  # nothing will write it: keep flush() from waiting forever
         self._idle.clear()
@@ -228,8 +194,13 @@ class RunJournal:
             if not self._pending:
                 self._idle.set()
 
-    async def _send(self, batch: list[_JobWrites]) -> None:
-        header = WriteHeader(version=VERSION, group=keys.JOB_GROUP, job_count=len(batch))
+    async def _send(self, batch: list[JobWrites]) -> None:
+        header = WriteHeader(
+            version=VERSION,
+            group=keys.JOB_GROUP,
+            job_count=len(batch),
+            sent_ttl_ms=self._run_ttl_ms,
+        )
         rows = [writes.row() for writes in batch]
         fenced = await self._retrying(lambda: self._scripts.write(header, rows), "journal write")
         for run_key in fenced:

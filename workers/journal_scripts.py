@@ -58,6 +58,8 @@ class WriteHeader(NamedTuple):
     version: bytes
     group: str
     job_count: int
+    sent_ttl_ms: int
+    """How long a request's sent tally (shared/open_requests.py) outlives its last write."""
 
 
 class WriteRow(NamedTuple):
@@ -75,6 +77,13 @@ class WriteRow(NamedTuple):
     """The job's stream when it finished (ack it), else ''."""
     ack_entry: str
     done_key: str
+    sent: str
+    """The request's sent tally (shared/open_requests.py): usage if its gateway dies."""
+    sent_tokens: int
+    now_ms: int
+    finish_field: str
+    """The tally field of the job's final event in this write ('' = none)."""
+    finish_value: str
     event_count: int
 
 
@@ -95,6 +104,14 @@ for _ = 1, tonumber(job_count) do
   elseif not owner and ack_stream ~= '' and redis.call('EXISTS', run) == 0 then
     -- a finish whose run is gone: it landed already (its reply was lost), nothing to do
   elseif owned then
+    if tonumber(sent_tokens) > 0 then
+      redis.call('HINCRBY', sent, 'c', sent_tokens)
+      redis.call('HSETNX', sent, 't', now_ms)
+    end
+    if finish_field ~= '' then redis.call('HSET', sent, finish_field, finish_value) end
+    if tonumber(sent_tokens) > 0 or finish_field ~= '' then
+      redis.call('PEXPIRE', sent, sent_ttl_ms)
+    end
     local batch = batches[reply_to]
     if batch == nil then
       batch = {{}}

@@ -6,7 +6,8 @@ Start-up:
    (CONVEYOR_DATABASE_URL) is never migrated here: while it is not at head, /ready
    is 503 and says to run `conveyor db upgrade`; it is checked again every few seconds;
 3. load the API keys into the cache (a failure is not fatal: the cache retries);
-4. start the key-cache poller, the ledger consumer, the schema watch and retention.
+4. start the key-cache poller, the ledger consumer, the sweep that writes the usage of
+   dead gateways' requests, the schema watch and retention.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from gateway.db.engine import Database, first_line, open_database
 from gateway.db.schema import SchemaStatus, schema_status, upgrade_to_head
 from gateway.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
 from gateway.ledger_retention import retention_loop
+from gateway.orphan_usage import OrphanUsageSweep
+from shared.liveness import GatewayWatch
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 
@@ -41,6 +44,9 @@ class ControlPlane:
         self.keys = KeyCache(self.database.sessions, redis, admin_secret=settings.admin_secret())
         self.key_service = KeyService(self.database.sessions, redis, on_change=self.keys.reload)
         self.ledger = LedgerConsumer(redis, self.database.sessions, gateway_id)
+        self.orphan_usage = OrphanUsageSweep(
+            redis, gateway_id, GatewayWatch(redis, grace_s=settings.gateway_liveness_ttl_s)
+        )
         self.schema: SchemaStatus | None = None
         """The last schema version read (None: never read)."""
         self.schema_error: str | None = None
@@ -67,6 +73,7 @@ class ControlPlane:
         self._tasks = [
             asyncio.create_task(self.keys.run(), name="api-key-cache"),
             asyncio.create_task(self.ledger.run(), name="ledger-consumer"),
+            asyncio.create_task(self.orphan_usage.run(), name="orphan-usage"),
             asyncio.create_task(self._watch_schema(), name="schema-watch"),
             asyncio.create_task(
                 retention_loop(

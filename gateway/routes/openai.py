@@ -36,6 +36,7 @@ async def chat_completions(
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
 ) -> Response:
+    request.state.model = body.model  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
     return await serving.chat_completions(state, body, headers, request.receive)
 
@@ -49,6 +50,7 @@ async def completions(
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
 ) -> Response:
+    request.state.model = body.model  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
     return await serving.completions(state, body, headers, request.receive)
 
@@ -61,6 +63,7 @@ async def embeddings(
     principal: Inference,
     timeout_s: RequestTimeout = None,
 ) -> Response:
+    request.state.model = body.model
     headers = RequestHeaders(None, timeout_s, principal)
     return await serving.embeddings(state, body, headers, request.receive)
 

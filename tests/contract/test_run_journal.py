@@ -32,7 +32,8 @@ from shared.roles import Role
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
-from workers.journal import RunJournal, RunLease, pack_tokens, unpack_tokens
+from workers.journal import RunJournal, RunLease
+from workers.journal_writes import pack_tokens, unpack_tokens
 
 STAGE = Role.AGGREGATED
 JOBS = JobStream("m", STAGE)

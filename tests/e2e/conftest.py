@@ -39,7 +39,13 @@ def stack(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     client = redis.Redis.from_url(E2E_REDIS_URL)
     client.flushdb()
     client.close()
-    stack = Stack(demo_model, MODEL_NAME, E2E_REDIS_URL, tmp_path_factory.mktemp("logs"))
+    stack = Stack(
+        demo_model,
+        MODEL_NAME,
+        E2E_REDIS_URL,
+        tmp_path_factory.mktemp("logs"),
+        data_dir=tmp_path_factory.mktemp("data"),
+    )
     try:
         yield stack
     finally:

@@ -59,6 +59,9 @@ class Stack:
     redis_url: str
     log_dir: Path
     processes: list[Process] = field(default_factory=list)
+    data_dir: Path | None = None
+    """CONVEYOR_DATA_DIR of every process (the gateways' embedded SQLite state lives there):
+    one per session, so no run writes into the checkout's ``.conveyor``."""
 
     def env(self, **overrides: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -70,6 +73,8 @@ class Stack:
             CONVEYOR_LOG_LEVEL="INFO",
             CONVEYOR_SSE_KEEPALIVE_S="1",
         )
+        if self.data_dir is not None:
+            env["CONVEYOR_DATA_DIR"] = str(self.data_dir)
         env.update(overrides)
         return env
 

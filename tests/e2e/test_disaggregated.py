@@ -98,6 +98,12 @@ def _wait_for_roles(running: Running, roles: set[str], processes: list[Process])
     raise TimeoutError(f"roles {roles} not all live")
 
 
+def _counts(usage: object) -> dict[str, object]:
+    """Usage without ``prompt_tokens_details``: prefix-cache hits differ between engines."""
+    assert isinstance(usage, dict)
+    return {name: usage[name] for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
 def _complete(base_url: str, model: str, prompt: list[int], **extra: object) -> dict[str, object]:
     body = {
         "model": model,
@@ -119,7 +125,7 @@ def test_greedy_tokens_match_aggregated(
     ours = _complete(pd.base_url, PD_MODEL, prompt, logprobs=2)
     reference = _complete(running.base_url, running.model, prompt, logprobs=2)
     assert ours["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]  # type: ignore[index]
-    assert ours["usage"] == reference["usage"]
+    assert _counts(ours["usage"]) == _counts(reference["usage"])
     ours_lp = ours["choices"][0]["logprobs"]["token_logprobs"]  # type: ignore[index]
     ref_lp = reference["choices"][0]["logprobs"]["token_logprobs"]  # type: ignore[index]
     assert ours_lp == pytest.approx(ref_lp, abs=1e-3)

@@ -14,10 +14,12 @@ import pytest
 
 from shared import keys
 from shared.errors import EngineError, InvalidRequest
-from shared.protocol import Event, Job
+from shared.protocol import Event, FinishEvent, Job
+from shared.usage import decode_usage
 from tests.gateway.fake_worker import error, finish, silent, token
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, LiveGateway, error_of
 from tests.gateway.sse import DONE, SseEvent, content, events, parse_sse
+from tests.waiting import eventually
 
 STREAM: dict[str, Any] = {"stream": True}
 
@@ -99,6 +101,42 @@ async def test_n_choices_non_stream_come_in_index_order(gateway: LiveGateway) ->
     choices = response.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     assert [c["message"]["content"] for c in choices] == ["c0-0 ", "c1-0 ", "c2-0 "]
+
+
+async def cache_hits(job: Job) -> AsyncIterator[Sequence[Event]]:
+    """Two tokens; the engine found all but one prompt token in its prefix cache."""
+    prompt = len(job.prompt_token_ids)
+    yield [token(job, 0, "a "), token(job, 1, "b ")]
+    yield [FinishEvent(job.request_id, job.index, 2, 0, "stop", prompt, 2, prompt - 1)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cached_prompt_tokens_reach_usage_and_the_ledger(
+    gateway: LiveGateway, stream: bool
+) -> None:
+    gateway.workers[0].script = cache_hits
+    options = {"stream_options": {"include_usage": True}} if stream else {}
+    response = await gateway.client.post(CHAT, json=chat(n=2, stream=stream, **options))
+    usage = events(response.text)[-2].data["usage"] if stream else response.json()["usage"]
+    prompt = usage["prompt_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": prompt - 1}  # once per prompt
+
+    async def recorded() -> bool:
+        return bool(await gateway.redis.xlen(keys.USAGE_STREAM))
+
+    await eventually(recorded, what="the usage record")
+    found: Any = await gateway.redis.xrange(keys.USAGE_STREAM)
+    [record] = [decode_usage(fields) for _, fields in found]
+    assert (record.cached_prompt_tokens, record.completion_tokens) == (prompt - 1, 4)
+    # The gateway closed its open record and the request's sent tally with the row.
+    assert await gateway.redis.exists(keys.open_requests(gateway.state.gateway_id)) == 0
+
+
+async def test_usage_has_no_cache_details_when_the_engine_reports_none(
+    gateway: LiveGateway,
+) -> None:
+    usage = (await gateway.client.post(CHAT, json=chat())).json()["usage"]
+    assert "prompt_tokens_details" not in usage
 
 
 # ------------------------------------------------------------------- seq bookkeeping

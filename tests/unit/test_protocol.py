@@ -232,6 +232,33 @@ def test_sampling_written_before_logit_bias_existed_still_decodes() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(biased), type=SamplingOptions) == biased
 
 
+class FinishEventBeforeCachedTokens(
+    msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"
+):
+    request_id: str
+    index: int
+    seq: int
+    attempt: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def test_finish_events_and_readers_from_before_cached_tokens_still_agree() -> None:
+    """cached_tokens trails with a default: arrays written before it decode (None), and a
+    reader from before it ignores the extra item (no protocol version bump)."""
+    old = msgspec.msgpack.encode(["fin", "r", 0, 1, 0, "stop", 3, 1])
+    assert protocol.decode_bytes(protocol.VERSION + b":" + old) == FinishEvent(
+        "r", 0, 1, 0, "stop", 3, 1
+    )
+    cached = FinishEvent("r", 0, 1, 0, "stop", 300, 1, 256)
+    assert protocol.decode_bytes(protocol.encode_bytes(cached)) == cached
+    legacy = msgspec.msgpack.decode(
+        protocol.encode_payload(cached), type=FinishEventBeforeCachedTokens
+    )
+    assert (legacy.prompt_tokens, legacy.completion_tokens) == (300, 1)
+
+
 @given(message=messages, version=st.integers(0, 10_000).filter(lambda v: v != PROTOCOL_VERSION))
 def test_wrong_version_is_refused(message: Message, version: int) -> None:
     fields = encode(message)

@@ -816,7 +816,7 @@ async def test_abort_echo_does_not_repeat_text_or_tokens() -> None:
     async with asyncio.timeout(5):
         steps = await task
     assert joined(steps) == ([12366, 13], " Paris.")
-    assert steps[-1] == StepOutput([], "", None, "abort", len(PROMPT))
+    assert steps[-1] == StepOutput([], "", None, "abort", len(PROMPT), cached_tokens=0)
 
 
 async def test_abort_of_unknown_or_finished_job_is_a_no_op() -> None:

@@ -140,6 +140,7 @@ def request_output(
     logprobs: list[dict[int, Logprob]] | None = None,
     finish_reason: str | None = None,
     prompt_token_ids: list[int] | None = None,
+    num_cached_tokens: int | None = None,
 ) -> RequestOutput:
     completion = CompletionOutput(
         index=0,
@@ -156,6 +157,7 @@ def request_output(
         prompt_logprobs=None,
         outputs=[completion],
         finished=finish_reason is not None,
+        num_cached_tokens=num_cached_tokens,
     )
 
 
@@ -164,6 +166,12 @@ def test_a_delta_becomes_a_step_output() -> None:
     assert step_output(output, [1, 2, 3], None) == StepOutput(
         token_ids=[11, 12], text=" hi", logprobs=None, finish_reason=None, prompt_tokens=4
     )
+
+
+def test_prefix_cache_hits_are_carried_as_cached_tokens() -> None:
+    output = request_output([], "", finish_reason="stop", num_cached_tokens=128)
+    assert step_output(output, [1, 2, 3], None).cached_tokens == 128
+    assert step_output(request_output([5], "x"), [1], None).cached_tokens is None
 
 
 def test_the_last_delta_carries_the_finish_reason() -> None:

@@ -50,6 +50,8 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     prompt_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (None: not reported)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -676,6 +676,7 @@ class _StreamDecoder:
         self.emitted = 0
         self.text = ""
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: int | None = None
 
     def step(self, chunk: Mapping[str, Any], *, abort_requested: bool) -> StepOutput | None:
         """The delta this chunk adds, or None for an empty, unfinished chunk.
@@ -693,6 +694,9 @@ class _StreamDecoder:
         prompt_tokens = meta.get("prompt_tokens")
         if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool):
             self.prompt_tokens = prompt_tokens
+        cached = meta.get("cached_tokens")  # SGLang's radix-cache hits for the prompt
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            self.cached_tokens = cached
         if not new_ids and not text and finish is None:
             return None
         logprobs = None
@@ -705,6 +709,7 @@ class _StreamDecoder:
             logprobs=logprobs,
             finish_reason=finish,
             prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
     def _new_ids(self, raw: Sequence[Any], meta: Mapping[str, Any]) -> list[int]:

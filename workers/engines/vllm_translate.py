@@ -95,7 +95,14 @@ def step_output(output: Any, prompt_token_ids: list[int], logprobs: int | None) 
         logprobs=_logprobs(completion.logprobs, completion.token_ids, logprobs),
         finish_reason=completion.finish_reason,
         prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
+        cached_tokens=_cached_tokens(output),
     )
+
+
+def _cached_tokens(output: Any) -> int | None:
+    """vLLM's ``RequestOutput.num_cached_tokens`` (prefix-cache hits, whole blocks)."""
+    cached = getattr(output, "num_cached_tokens", None)
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _build_sampling_params(options: SamplingOptions) -> Any:

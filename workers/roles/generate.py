@@ -94,7 +94,7 @@ class SequenceRun:
         started = time.monotonic()
         try:
             async with asyncio.timeout(max(0.0, job.deadline_unix - time.time())):
-                finish_reason, prompt_tokens = await self._generate()
+                finish_reason, prompt_tokens, cached_tokens = await self._generate()
         except EngineDead:
             raise  # the runtime hands the job back; another worker continues it
         except TimeoutError:
@@ -118,6 +118,7 @@ class SequenceRun:
                 finish_reason,
                 prompt_tokens,
                 self._completion_tokens,
+                cached_tokens,
             ),
         )
         log.info(
@@ -133,11 +134,12 @@ class SequenceRun:
         """End the job with an error event the client sees, and ack it."""
         self._journal.fail(self.lease, error)
 
-    async def _generate(self) -> tuple[str, int]:
+    async def _generate(self) -> tuple[str, int, int | None]:
+        """Finish reason, prompt tokens and cached prompt tokens (None: not reported)."""
         job = self.job
         prompt, sampling = resume_point(job, self.lease.emitted)
         if sampling.max_tokens <= 0:
-            return "length", len(job.prompt_token_ids)
+            return "length", len(job.prompt_token_ids), None
         # A fresh decode fetches the prefilled KV; a resumed one recomputes its prompt.
         handoff = job.handoff if not self.lease.emitted else None
         images = await load_images(self._images, job)
@@ -160,7 +162,7 @@ class SequenceRun:
         sampling: SamplingOptions,
         handoff: Handoff | None,
         images: PromptImages | None,
-    ) -> tuple[str, int]:
+    ) -> tuple[str, int, int | None]:
         job = self.job
         stream = self._engine.generate(
             job.job_id, prompt, sampling, handoff=handoff, images=images, adapter=job.adapter
@@ -179,8 +181,12 @@ class SequenceRun:
                 )
                 self._journal.publish(self.lease, event, step.token_ids)
             if step.finish_reason is not None:
-                return step.finish_reason, self._prompt_tokens(step)
-        return "abort", len(job.prompt_token_ids)
+                prompt_tokens = self._prompt_tokens(step)
+                cached = (
+                    None if step.cached_tokens is None else min(step.cached_tokens, prompt_tokens)
+                )
+                return step.finish_reason, prompt_tokens, cached
+        return "abort", len(job.prompt_token_ids), None
 
     def _prompt_tokens(self, step: StepOutput) -> int:
         """Usage counts the prompt the engine ran: with images, their expanded tokens too

@@ -1,0 +1,209 @@
+"""Prometheus metrics of one gateway process, served as text at ``GET /metrics``.
+
+Two kinds, in one registry per app (never the process-global one):
+
+- counted as they happen: HTTP answers by route / model / status
+  (:class:`RequestMetrics`, an ASGI middleware), and per finished request its time
+  to first token, end-to-end latency and tokens (:meth:`GatewayMetrics.observe_usage`,
+  from the usage record the dispatcher writes);
+- read at scrape time (:meth:`GatewayMetrics.refresh`): job-queue depth per stream,
+  live workers per role, the ledger's backlog and lag, the API-key cache and the
+  requests this gateway holds open.
+
+There is no KV-aware router in Conveyor yet, so no router metrics: pull-based
+balancing needs none (workers take jobs when they have free slots).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared import keys
+from shared.usage import UsageRecord
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+UNKNOWN_MODEL = "unknown"
+"""The model label of a request naming no served model (labels stay a bounded set)."""
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "conveyor_requests", "HTTP answers.", ["route", "model", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "conveyor_time_to_first_token_seconds",
+            "From admission to the first token delivered.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "conveyor_request_duration_seconds",
+            "From admission to the end of the request (any outcome).",
+            ["model", "status"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "conveyor_prompt_tokens", "Prompt tokens of finished requests.", ["model"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "conveyor_cached_prompt_tokens",
+            "Prompt tokens the engine served from its prefix cache.",
+            ["model"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "conveyor_completion_tokens",
+            "Completion tokens delivered to clients.",
+            ["model"],
+            registry=r,
+        )
+        self._scraped = _ScrapeGauges(r)
+
+    def observe_usage(self, record: UsageRecord) -> None:
+        """One finished request (its usage record, as the ledger gets it)."""
+        model = record.model
+        if record.first_token_unix is not None:
+            self.ttft.labels(model).observe(
+                max(0.0, record.first_token_unix - record.received_unix)
+            )
+        elapsed_s = max(0.0, record.finished_unix - record.received_unix)
+        self.latency.labels(model, record.status).observe(elapsed_s)
+        self.prompt_tokens.labels(model).inc(record.prompt_tokens)
+        self.completion_tokens.labels(model).inc(record.completion_tokens)
+        if record.cached_prompt_tokens:
+            self.cached_tokens.labels(model).inc(record.cached_prompt_tokens)
+
+    async def refresh(self, state: GatewayState) -> None:
+        await self._scraped.refresh(state)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ScrapeGauges:
+    """Gauges read from the gateway's state and Redis at every scrape."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.queue_depth = Gauge(
+            "conveyor_queue_depth", "Jobs queued or running per job stream.", ["stream"], registry=r
+        )
+        self.workers = Gauge(
+            "conveyor_live_workers",
+            "Live workers per model and role.",
+            ["model", "role"],
+            registry=r,
+        )
+        self.open_requests = Gauge(
+            "conveyor_open_requests", "Requests this gateway is delivering.", registry=r
+        )
+        self.ledger_backlog = Gauge(
+            "conveyor_ledger_backlog", "Usage records not yet in SQL (all gateways).", registry=r
+        )
+        self.ledger_lag = Gauge(
+            "conveyor_ledger_seconds_since_commit",
+            "Seconds since this gateway's ledger consumer last committed (-1: never).",
+            registry=r,
+        )
+        self.ledger_db_ok = Gauge(
+            "conveyor_ledger_database_ok", "1 while the ledger can write to SQL.", registry=r
+        )
+        self.orphan_rows = Gauge(
+            "conveyor_orphan_usage_rows",
+            "Usage rows this gateway wrote for requests of dead gateways (since start).",
+            registry=r,
+        )
+        self.key_cache = Gauge(
+            "conveyor_key_cache",
+            "API-key cache: keys held, loaded (1/0), database reachable (1/0), age in s.",
+            ["field"],
+            registry=r,
+        )
+
+    async def refresh(self, state: GatewayState) -> None:
+        self.open_requests.set(state.router.open_requests())
+        await self._queues_and_workers(state)
+        control = state.control
+        if control is None:
+            return
+        self.ledger_backlog.set(int(await state.redis.xlen(keys.USAGE_STREAM)))
+        ledger = control.ledger.status
+        committed = ledger.last_commit_unix
+        self.ledger_lag.set(time.time() - committed if committed is not None else -1)
+        self.ledger_db_ok.set(1 if ledger.db_ok else 0)
+        self.orphan_rows.set(control.orphan_usage.rows_written)
+        cache = control.keys.status()
+        self.key_cache.labels("keys").set(cache.keys)
+        self.key_cache.labels("loaded").set(1 if cache.loaded else 0)
+        self.key_cache.labels("db_ok").set(1 if cache.db_ok else 0)
+        age = time.time() - cache.loaded_unix if cache.loaded_unix is not None else -1
+        self.key_cache.labels("age_s").set(age)
+
+    async def _queues_and_workers(self, state: GatewayState) -> None:
+        live = state.directory.all()
+        self.workers.clear()
+        for (model, role), count in Tally((w.model, w.role.value) for w in live).items():
+            self.workers.labels(model, role).set(count)
+        streams = sorted({keys.job_stream(w.model, w.role) for w in live})
+        depths: list[Any] = []
+        if streams:
+            async with state.redis.pipeline(transaction=False) as pipe:
+                for stream in streams:
+                    pipe.xlen(stream)
+                depths = await pipe.execute()
+        self.queue_depth.clear()
+        for stream, depth in zip(streams, depths, strict=True):
+            self.queue_depth.labels(stream).set(int(depth))
+
+
+class RequestMetrics:
+    """ASGI middleware: counts every HTTP answer by route template, model and status
+    (the OpenAI routes leave the requested model in ``request.state.model``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        status = 500  # an exception before any answer
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self._app(scope, receive, sending)
+        finally:
+            # Before the lifespan has built the state (or in a test app without one), the
+            # answer is not counted.
+            state = getattr(scope["app"].state, "gateway", None)
+            metrics = getattr(state, "metrics", None)
+            if isinstance(metrics, GatewayMetrics):
+                route = getattr(scope.get("route"), "path", "unmatched")
+                model = _model_label(state, scope.get("state", {}).get("model"))
+                metrics.requests.labels(route, model, str(status)).inc()
+
+
+def _model_label(state: Any, model: object) -> str:
+    if not isinstance(model, str):
+        return ""
+    served = {m.name for m in state.catalog.all()}
+    return model if model in served else UNKNOWN_MODEL
