@@ -8,7 +8,9 @@ Every gateway runs one sweep; every ``interval_s`` it:
    abort a gateway's jobs), never itself;
 3. for each of their requests, builds the usage row from what the workers sent and
    closes it: the script queues the row only if the request was still open, so two
-   sweeping gateways write it once.
+   sweeping gateways write it once;
+4. the sweep that closed it settles the key's limit reservation with what was used,
+   as the dead gateway would have (unused tokens back, the concurrency slot freed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.errors import ProtocolError
+from shared.key_limits import KeyLimitCounters
 from shared.liveness import GatewayWatch
 from shared.open_requests import OpenRequests, decode_open, orphan_record
 from shared.redis_conn import as_text
@@ -43,6 +46,7 @@ class OrphanUsageSweep:
         self._watch = watch
         self._interval_s = interval_s
         self._open = OpenRequests(redis)
+        self._limits = KeyLimitCounters(redis)
         self.rows_written = 0
 
     async def run(self) -> None:
@@ -80,6 +84,9 @@ class OrphanUsageSweep:
             record = orphan_record(request_id, opened, await self._open.sent(request_id))
             if await self._open.close_orphan(gateway, record):
                 written += 1
+                if opened.reservation is not None:
+                    used = record.prompt_tokens + record.completion_tokens
+                    await self._limits.settle_reserved(opened.reservation, request_id, used)
                 log.warning(
                     "usage of %s written for its dead gateway %s from what workers sent: "
                     "%d completion tokens (%s)",

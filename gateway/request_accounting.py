@@ -51,6 +51,7 @@ class RequestAccounting:
             prompt_tokens=prompt_tokens(plan),
             n=sequences(plan),
             received_unix=plan.deadline.created_unix,
+            reservation=plan.charge.reservation() if plan.charge is not None else None,
         )
         return OpenedBy(self.gateway_id, record)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from shared import keys
@@ -123,6 +124,19 @@ class LimitCharge:
 
     def window_reset_s(self) -> float:
         return (self.minute + 1) * WINDOW_S - self.now_unix
+
+    def reservation(self) -> Reservation:
+        _, tpm_key, conc_key, budget_key = self.keys()
+        return Reservation(self.cost_tokens, (tpm_key, conc_key, budget_key))
+
+
+class Reservation(msgspec.Struct, frozen=True, array_like=True):
+    """What admission took from a key's counters: enough to give it back later, from any
+    gateway (it travels in the request's open record, shared/open_requests.py)."""
+
+    cost_tokens: int
+    counters: tuple[str, str, str]
+    """The key's TPM window, concurrency set and budget counter ('' when it has none)."""
 
 
 LIMIT_ARG_COUNT = 10
@@ -238,11 +252,14 @@ class KeyLimitCounters:
 
     async def settle(self, charge: LimitCharge, used_tokens: int) -> None:
         """The request ended having used ``used_tokens``: give the rest back, free its slot."""
-        _, tpm_key, conc_key, budget_key = charge.keys()
-        give_back = max(0, charge.cost_tokens - used_tokens)
-        await self._settle(
-            keys=[tpm_key, conc_key, budget_key], args=[give_back, charge.request_id]
-        )
+        await self.settle_reserved(charge.reservation(), charge.request_id, used_tokens)
+
+    async def settle_reserved(
+        self, reservation: Reservation, request_id: str, used_tokens: int
+    ) -> None:
+        """:meth:`settle` from what was recorded at admission (a dead gateway's request)."""
+        give_back = max(0, reservation.cost_tokens - used_tokens)
+        await self._settle(keys=list(reservation.counters), args=[give_back, request_id])
 
     async def renew(self, key_id: str, request_ids: list[str], now_unix: float) -> None:
         """Keep open requests' concurrency slots (a dead gateway's lapse in one lease)."""

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.errors import ProtocolError
+from shared.key_limits import Reservation
 from shared.protocol import EmbeddingEvent, ErrorEvent, Event, FinishEvent
 from shared.redis_conn import as_text
 from shared.usage import UsageRecord, UsageStatus, encode_usage
@@ -48,6 +49,8 @@ class OpenRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     n: Annotated[int, msgspec.Meta(ge=1)]
     """Sequences (choices, or embedding inputs): all of them must finish to complete."""
     received_unix: float
+    reservation: Reservation | None = None
+    """The key's limit reservation, settled by whoever closes the request."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,12 +9,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.orphan_usage import OrphanUsageSweep
 from shared import keys
-from shared.job_queue import JobQueue, OpenedBy
+from shared.job_queue import Admission, JobQueue, OpenedBy
+from shared.key_limits import BudgetPeriod, LimitCharge, Limits
 from shared.liveness import GatewayWatch
 from shared.open_requests import (
     Finish,
@@ -100,6 +102,28 @@ async def test_a_dead_gateways_request_gets_one_row_from_what_was_sent(
     assert (record.cached_prompt_tokens, record.status) == (3, "failed")  # capped at the prompt
     assert record.finish_reason == "length"
     assert await redis_backend.exists(keys.open_requests(DEAD), keys.sent_tally("r1")) == 0
+
+
+async def test_the_sweep_settles_a_dead_gateways_limit_reservation(
+    redis_backend: aioredis.Redis, wa: Journal
+) -> None:
+    limits = Limits(tpm=1000, max_concurrent=2, budget_tokens=5000, budget_period=BudgetPeriod.DAY)
+    charge = LimitCharge("key_a", limits, "r1", cost_tokens=100, now_unix=time.time())
+    opened = OpenedBy(DEAD, msgspec.structs.replace(OPENED, reservation=charge.reservation()))
+    queue = JobQueue(redis_backend)
+    await queue.ensure_group(STREAM)
+    jobs = [make_job("r1", index, reply_to=keys.reply_stream(DEAD)) for index in (0, 1)]
+    admitted = await queue.submit(STREAM, jobs, max_depth=100, charge=charge, opened=opened)
+    assert admitted.outcome is Admission.QUEUED, admitted
+    tpm_key, conc_key, budget_key = charge.reservation().counters
+    assert [await redis_backend.get(k) for k in (tpm_key, budget_key)] == [b"100", b"100"]
+    assert await redis_backend.zcard(conc_key) == 1
+    await run_jobs(redis_backend, wa)
+
+    assert await sweep(redis_backend, "gw-a").sweep() == 1
+    used = b"9"  # 3 prompt tokens + the 6 the workers sent; the rest was given back
+    assert [await redis_backend.get(k) for k in (tpm_key, budget_key)] == [used, used]
+    assert await redis_backend.zcard(conc_key) == 0
 
 
 async def test_a_live_gateway_is_never_swept(redis_backend: aioredis.Redis, wa: Journal) -> None:
