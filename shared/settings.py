@@ -361,8 +361,8 @@ class SupervisorSettings(CommonSettings):
     lora_demo: bool = Field(
         False,
         description="`conveyor up`: write a random demo LoRA adapter for the model (into "
-        "<data_dir>/demo-lora) and register it as `<model>-demo-lora`, so it is loaded before "
-        "the workers are ready and listed in /v1/models.",
+        "<data_dir>/demo-lora) and register it as `demo-lora`, so every worker loads it "
+        "before it is ready and /v1/models lists it.",
     )
 
 
