@@ -122,9 +122,11 @@ def _base(state: GatewayState, base_model: str | None) -> str:
 
 
 async def _refresh(state: GatewayState) -> None:
+    """This gateway sees the change now: its catalog, and which workers loaded what."""
     try:
         await state.adapters.refresh()
-    except RedisError as exc:  # the watch catches up on its next poll
+        await state.directory.refresh()
+    except RedisError as exc:  # both catch up on their next poll
         log.warning("refreshing the adapter catalog failed: %s", exc)
 
 
