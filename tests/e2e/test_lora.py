@@ -49,7 +49,13 @@ from tests.e2e.lora_stack import (
 )
 from tests.e2e.stack import Process
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm,
+    pytest.mark.redis,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),  # the first test also waits for the shared LoRA stack's start
+]
 
 
 @pytest.fixture
