@@ -154,6 +154,10 @@ class LoraService:
     async def unregister(self, name: str) -> AdapterSpec:
         """Remove adapter ``name``: workers finish its queued and running requests, then
         unload it. Raises AdapterNotFound; on a Redis failure the row is put back."""
+        try:
+            validate_adapter_name(name)
+        except ValueError:
+            raise AdapterNotFound(f"no LoRA adapter `{name[:128]}` is registered") from None
         async with self._locked(name):
             async with transaction(self._sessions) as session:
                 row = await lora_repo.get(session, name)

@@ -193,6 +193,8 @@ async def test_removed_adapters_are_404_at_once(
     assert await gateway.redis.xlen(adapter_stream("a1")) == 0
     gone = error_of(await gateway.client.delete("/admin/loras/a1", headers=ADMIN), 404)
     assert gone["code"] == "adapter_not_found"
+    huge = await gateway.client.delete("/admin/loras/" + "x" * 5000, headers=ADMIN)
+    assert error_of(huge, 404)["code"] == "adapter_not_found"
     await assert_nothing_registered(gateway)
 
 
