@@ -16,6 +16,7 @@ from gateway.control.records import Scope
 from gateway.db import lora_repo
 from gateway.db.engine import Database, transaction
 from gateway.model_catalog import ServedModel
+from shared import keys
 from shared.adapters import adapter_stream, read_desired
 from shared.roles import Role
 from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
@@ -247,11 +248,16 @@ async def test_admin_scope_and_model_allow_lists(
     assert await registered(gateway) == ["a1"]
 
 
+async def forget_desired_state(live: LiveGateway) -> None:
+    await live.redis.delete(keys.adapters_desired("tiny"), keys.adapters_generation("tiny"))
+    assert await read_desired(live.redis, "tiny") is None
+
+
 async def test_the_registry_survives_a_gateway_restart_and_a_redis_that_lost_it(
     gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
-    await gateway.redis.flushdb()  # Redis lost everything; SQL is the truth
+    await forget_desired_state(gateway)  # Redis lost it; SQL is the truth
     restarted = ControlPlane(
         gateway.state.settings, gateway.redis, "gw-restarted", bases=live_bases(gateway)
     )
@@ -262,7 +268,7 @@ async def test_the_registry_survives_a_gateway_restart_and_a_redis_that_lost_it(
         assert desired.specs["a1"].path == str(adapter_dir)
     finally:
         await restarted.stop()
-    await gateway.redis.flushdb()  # and once more, while this gateway runs: the watch
+    await forget_desired_state(gateway)  # and once more, while this gateway runs: the watch
     gateway.state.adapters.republish = restarted.lora.publish
     await gateway.state.adapters.refresh()
     desired = await read_desired(gateway.redis, "tiny")
