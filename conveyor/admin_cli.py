@@ -38,7 +38,7 @@ ADMIN_COMMANDS = {
     "db": "show or migrate the database schema (Alembic)",
     "keys": "create, list, show, update and revoke API keys",
     "usage": "usage ledger: rows or totals per day/key/model",
-    "lora": "add, remove and list LoRA adapters (conveyor/lora_cli.py)",
+    "lora": "add, remove and list LoRA adapters (the registry the workers load)",
 }
 
 LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "budget_tokens")
