@@ -1,4 +1,4 @@
-"""``conveyor db|keys|usage``: the control plane from the command line.
+"""``conveyor db|keys|usage|lora``: the control plane from the command line.
 
 These talk to the database directly (CONVEYOR_DATABASE_URL, default the embedded
 SQLite file, which they migrate to head like the gateway does) and announce key
@@ -23,6 +23,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from conveyor.admin_output import print_key, print_key_table, print_usage, warn_unannounced
+from conveyor.lora_cli import add_lora_commands, run_lora
 from gateway.control.key_service import KeyService, KeySpec, KeyUpdate
 from gateway.control.records import BudgetPeriod, Limits, parse_scopes
 from gateway.control.times import parse_instant
@@ -37,6 +38,7 @@ ADMIN_COMMANDS = {
     "db": "show or migrate the database schema (Alembic)",
     "keys": "create, list, show, update and revoke API keys",
     "usage": "usage ledger: rows or totals per day/key/model",
+    "lora": "add, remove and list LoRA adapters (the registry the workers load)",
 }
 
 LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "budget_tokens")
@@ -104,6 +106,7 @@ def add_admin_commands(sub: Any) -> None:
     usage.add_argument("--group-by", choices=[g.value for g in GroupBy])
     usage.add_argument("--limit", type=int, default=50, help="rows without --group-by")
     usage.add_argument("--json", action="store_true")
+    add_lora_commands(sub, connection, ADMIN_COMMANDS["lora"])
 
 
 def _add_key_flags(parser: argparse.ArgumentParser, *, clearable: bool) -> None:
@@ -131,6 +134,7 @@ def run_admin(args: argparse.Namespace, settings: Settings) -> int:
         "db": _db,
         "keys": _keys,
         "usage": _usage,
+        "lora": run_lora,
     }
     try:
         return asyncio.run(commands[args.command](args, settings))
@@ -163,7 +167,7 @@ async def _db(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _keys(args: argparse.Namespace, settings: Settings) -> int:
-    async with _control(settings) as (database, redis):
+    async with open_control(settings) as (database, redis):
         service = KeyService(database.sessions, redis)
         now = datetime.now(UTC)
         if args.keys_command == "create":
@@ -206,7 +210,7 @@ async def _usage(args: argparse.Namespace, settings: Settings) -> int:
     group_by = GroupBy(args.group_by) if args.group_by else None
     if not 0 < args.limit <= 100_000:
         raise InvalidRequest("--limit must be 1 to 100000", param="limit")
-    async with _control(settings, redis_needed=False) as (database, _):
+    async with open_control(settings, redis_needed=False) as (database, _):
         report = await usage_report(database.sessions, where, group_by, args.limit)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -216,7 +220,7 @@ async def _usage(args: argparse.Namespace, settings: Settings) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _control(
+async def open_control(
     settings: Settings, *, redis_needed: bool = True
 ) -> AsyncIterator[tuple[Database, aioredis.Redis | None]]:
     """The database, at head (the embedded one is migrated, an external one must be), and a

@@ -1,4 +1,4 @@
-"""The `conveyor` command: up, gateway, worker, demo-model; db, keys, usage (admin_cli.py).
+"""The `conveyor` command: up, gateway, worker, demo-model; db, keys, usage, lora (admin_cli.py).
 
 Every setting of :class:`shared.settings.Settings` is a flag (``--redis-url``)
 and an environment variable (``CONVEYOR_REDIS_URL``); flags win.
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
         return 0
     settings = settings_from(args)
-    if args.command in ("db", "keys", "usage"):
+    if args.command in ("db", "keys", "usage", "lora"):
         from conveyor.admin_cli import run_admin
 
         _setup_logging("WARNING")  # stdout carries the answer; a secret on its last line
@@ -200,6 +200,10 @@ def run_up(settings: Settings) -> int:
             update={"model": str(path.resolve()), "served_model_name": settings.served_name()}
         )
         log.warning(DEMO_MODEL_NOTICE)
+    if settings.lora_demo:
+        from conveyor.lora_cli import preload_demo_lora
+
+        preload_demo_lora(settings)
     env = child_env(_settings_env(settings))
     supervisor = Supervisor()
     command = _conveyor_command()

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
+from gateway.adapter_watch import AdapterWatch
 from gateway.auth import check_auth_settings
 from gateway.body_limit import BodySizeLimit
 from gateway.control.plane import ControlPlane
@@ -25,7 +26,7 @@ from gateway.image_fetch import FetchPolicy, ImageFetcher
 from gateway.image_inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
-from gateway.routes import admin, health, metrics, openai
+from gateway.routes import admin, health, loras, metrics, openai, workers
 from gateway.state import GatewayState
 from gateway.translate import UnknownFieldLog
 from gateway.worker_directory import WorkerDirectory
@@ -50,8 +51,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             settings, connect(settings.redis_url), _load_catalog(settings), _new_gateway_id()
         )
         app.state.gateway = state
-        control = state.control = ControlPlane(settings, state.redis, state.gateway_id)
+        control = state.control = ControlPlane(
+            settings, state.redis, state.gateway_id, bases=state.catalog.bases
+        )
         await control.start()
+        state.adapters.republish = control.lora.publish
         tasks = [
             asyncio.create_task(state.router.run(), name="reply-router"),
             asyncio.create_task(state.directory.run(), name="worker-directory"),
@@ -61,6 +65,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             ),
             asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
             asyncio.create_task(state.dispatcher.accounting.renew_leases(), name="limit-leases"),
+            asyncio.create_task(state.adapters.run(), name="adapter-watch"),
         ]
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
         try:
@@ -94,6 +99,8 @@ def build_app(
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(admin.router)
+    app.include_router(loras.router)
+    app.include_router(workers.router)
     return app
 
 
@@ -137,6 +144,7 @@ def build_state(
         dispatcher=dispatcher,
         unknown_fields=UnknownFieldLog(),
         images=_image_inputs(settings, redis),
+        adapters=AdapterWatch(redis, catalog),
     )
 
 

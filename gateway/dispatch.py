@@ -27,6 +27,7 @@ from gateway.request_accounting import RequestAccounting
 from gateway.request_handle import RequestHandle
 from gateway.worker_directory import WorkerDirectory
 from shared import keys
+from shared.adapters import adapter_stream
 from shared.errors import (
     BackendUnavailable,
     IdempotencyConflict,
@@ -128,19 +129,7 @@ class Dispatcher:
 
     def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, list[Job]]:
         """One job per choice, on the stream of the request's first stage."""
-        role = self._directory.first_stage(
-            plan.model, work.longest_prompt(), self._policy.min_prefill_tokens
-        )
-        if role is None:
-            raise NoLiveWorker(
-                f"no live worker serves model `{plan.model}` right now; retry shortly",
-                retry_after_s=5,
-            )
-        # With an encode pool, images go through it first; without, the language
-        # worker takes the raw images itself.
-        after_encode = None
-        if work.images and self._directory.serving(plan.model, Role.ENCODE):
-            role, after_encode = Role.ENCODE, role
+        stream, after_encode = self._first_stream(plan, work)
         jobs: list[Job] = [
             GenerateJob(
                 request_id=plan.request_id,
@@ -153,10 +142,35 @@ class Dispatcher:
                 created_unix=plan.deadline.created_unix,
                 images=work.images,
                 after_encode=after_encode,
+                adapter=plan.adapter,
             )
             for choice in work.choices
         ]
-        return keys.job_stream(plan.model, role), jobs
+        return stream, jobs
+
+    def _first_stream(self, plan: AnyPlan, work: Generation) -> tuple[str, Role | None]:
+        """The stream of the first stage, and the stage after encode (if it is encode)."""
+        if plan.adapter is not None:  # its own stream, read by the workers that loaded it
+            if not self._directory.adapter_ready(plan.adapter):
+                raise NoLiveWorker(
+                    f"LoRA adapter `{plan.adapter}` is not loaded on any live worker right "
+                    "now; retry shortly",
+                    retry_after_s=5,
+                )
+            return adapter_stream(plan.adapter), None
+        role = self._directory.first_stage(
+            plan.model, work.longest_prompt(), self._policy.min_prefill_tokens
+        )
+        if role is None:
+            raise NoLiveWorker(
+                f"no live worker serves model `{plan.model}` right now; retry shortly",
+                retry_after_s=5,
+            )
+        # With an encode pool, images go through it first; without, the language
+        # worker takes the raw images itself.
+        if work.images and self._directory.serving(plan.model, Role.ENCODE):
+            return keys.job_stream(plan.model, Role.ENCODE), role
+        return keys.job_stream(plan.model, role), None
 
     def _embed_jobs(self, plan: AnyPlan, work: Embedding) -> tuple[str, list[Job]]:
         """One embedding job per input, on the model's embed stream."""

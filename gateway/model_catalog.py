@@ -1,15 +1,19 @@
-"""The models this gateway serves: name, kind, tokenizer and context window."""
+"""The models this gateway serves: name, kind, tokenizer and context window; and the LoRA
+adapters registered for them, each served under its own name (as vLLM's server does)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from gateway.tokenizer import ModelTokenizer
+from shared.adapters import AdapterSpec
 from shared.errors import InvalidRequest, ModelNotFound, WrongModelKind
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -32,6 +36,13 @@ class ServedModel:
     kind: ModelKind = ModelKind.GENERATE
     image_token_id: int | None = None
     """The (unexpanded) image placeholder of a vision-language model; None: text only."""
+    parent: str | None = None
+    """A LoRA adapter: its base model (``path`` is the adapter's folder); None: a model."""
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter a request for this name runs with (None: the base model)."""
+        return self.name if self.parent is not None else None
 
     def require(self, kind: ModelKind) -> ServedModel:
         """This model, if it serves ``kind`` requests; else a 400 that says where to go."""
@@ -47,6 +58,7 @@ class ServedModel:
 class ModelCatalog:
     def __init__(self, models: list[ServedModel]) -> None:
         self._models = {model.name: model for model in models}
+        self._adapters: dict[str, ServedModel] = {}
 
     @classmethod
     def load(cls, name: str, path: str, max_model_len: int | None) -> ModelCatalog:
@@ -57,12 +69,32 @@ class ModelCatalog:
             raise ValueError(f"two served models are named {model.name!r}")
         self._models[model.name] = model
 
+    def set_adapters(self, base: str, specs: Iterable[AdapterSpec]) -> None:
+        """The registered adapters of ``base`` (replacing those known before)."""
+        model = self._models.get(base)
+        kept = {name: m for name, m in self._adapters.items() if m.parent != base}
+        if model is not None and model.kind is ModelKind.GENERATE:
+            for spec in specs:
+                if spec.name not in self._models:
+                    kept[spec.name] = dataclasses.replace(
+                        model, name=spec.name, path=spec.path, parent=base
+                    )
+        self._adapters = kept
+
+    def drop_adapter(self, name: str) -> None:
+        self._adapters = {n: m for n, m in self._adapters.items() if n != name}
+
+    def bases(self) -> list[str]:
+        """The text generation models: those adapters can be registered for."""
+        return [m.name for m in self._models.values() if m.kind is ModelKind.GENERATE]
+
     def get(self, name: str, allowed: frozenset[str] | None = None) -> ServedModel:
-        """The model ``name``; with ``allowed`` (an API key's models) any other model
+        """The model or adapter ``name``; with ``allowed`` (an API key's models) any other
         does not exist, and the error lists only the allowed ones."""
-        model = self._models.get(name)
+        model = self._models.get(name) or self._adapters.get(name)
         if model is None or (allowed is not None and name not in allowed):
-            known = ", ".join(m for m in sorted(self._models) if allowed is None or m in allowed)
+            every = [*self._models, *self._adapters]
+            known = ", ".join(m for m in sorted(every) if allowed is None or m in allowed)
             known = known or "none"
             raise ModelNotFound(
                 f"The model `{name}` does not exist. Models served here: {known}.",
@@ -71,7 +103,11 @@ class ModelCatalog:
         return model
 
     def all(self) -> list[ServedModel]:
+        """The models (not the adapters)."""
         return list(self._models.values())
+
+    def adapters(self) -> list[ServedModel]:
+        return sorted(self._adapters.values(), key=lambda m: m.name)
 
 
 def load_model(

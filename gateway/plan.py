@@ -83,6 +83,8 @@ class RequestPlan(Generic[W]):
     """The API key the request acts under (None while auth is off)."""
     charge: LimitCharge | None = None
     """What it costs against its key's limits (None: the key has none)."""
+    adapter: str | None = None
+    """The LoRA adapter it runs with (``model`` is the adapter's name then)."""
 
 
 AnyPlan = RequestPlan[Generation] | RequestPlan[Embedding]

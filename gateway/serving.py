@@ -187,7 +187,15 @@ def _plan(
 ) -> RequestPlan[W]:
     """The request's plan, with what it costs against its key's limits (if any)."""
     request_id = _new_id(prefix)
-    plan = RequestPlan(request_id, model.name, work, deadline, idempotency_key, principal.key_id)
+    plan = RequestPlan(
+        request_id,
+        model.name,
+        work,
+        deadline,
+        idempotency_key,
+        principal.key_id,
+        adapter=model.adapter,
+    )
     if principal.key_id is None or not principal.limits.any():
         return plan
     charge = LimitCharge(

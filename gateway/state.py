@@ -8,6 +8,7 @@ from typing import Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
+from gateway.adapter_watch import AdapterWatch
 from gateway.control.plane import ControlPlane
 from gateway.dispatch import Dispatcher
 from gateway.image_inputs import ImageInputs
@@ -30,6 +31,8 @@ class GatewayState:
     dispatcher: Dispatcher
     unknown_fields: UnknownFieldLog
     images: ImageInputs
+    adapters: AdapterWatch
+    """Keeps ``catalog``'s LoRA adapters equal to the published desired state."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False
     control: ControlPlane | None = None

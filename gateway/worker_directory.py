@@ -9,6 +9,7 @@ import time
 from redis.exceptions import RedisError
 
 from gateway.model_catalog import ModelKind
+from shared.adapters import serving_workers
 from shared.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import ANSWERING_ROLES, Role
 
@@ -79,6 +80,10 @@ class WorkerDirectory:
         if kind == ModelKind.EMBED:
             return bool(self.serving(model, Role.EMBED))
         return any(self.serving(model, role) for role in ANSWERING_ROLES)
+
+    def adapter_ready(self, adapter: str) -> bool:
+        """A live worker has LoRA adapter ``adapter`` loaded (and takes jobs)."""
+        return bool(serving_workers(self._workers, adapter))
 
     def pools(self) -> dict[str, dict[Role, int]]:
         """Ready, non-draining workers per model and role: what routing can use now."""

@@ -7,19 +7,27 @@ ConveyorError
 │   ├── RequestTooLarge (413)                         the request body is over the size limit
 │   ├── ChatTemplateError (400)                       the model's chat template refuses the messages
 │   ├── ImageFetchError (400, invalid_image_url)      an image URL not allowed or not fetchable
-│   └── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
+│   ├── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
+│   └── AdapterLoadFailed (400, adapter_load_failed)  every worker refused a LoRA adapter (why)
 ├── InvalidApiKey (401, invalid_api_key)              no, malformed, unknown, revoked or expired key
 ├── PermissionDenied (403)                            the key lacks the scope the endpoint needs
 ├── IdempotencyConflict (409)                         same Idempotency-Key still running
 ├── ApiKeyRevoked (409)                               an admin change to a key that is revoked
+├── AdapterConflict (409)                             a LoRA name registered with another spec
 ├── ModelNotFound (404, model_not_found)
 ├── ApiKeyNotFound (404)                              /admin/keys/{id} names no key
+├── AdapterNotFound (404)                             no LoRA adapter is registered by that name
+├── WorkerNotFound (404)                              /admin/workers/{id} names no live worker
 ├── Overloaded (429, rate_limit_exceeded)             recoverable: retry after `retry_after_s`
 ├── KeyRateLimited (429, rate_limit_exceeded)         the key's RPM/TPM/concurrency: retry later
 ├── QuotaExceeded (429, insufficient_quota)           the key's budget for the period is spent
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
+├── AdapterLoadTimeout (503)                          no worker finished loading an adapter in time
 ├── GatewayDraining (503)                             recoverable: another gateway / later
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
+│   └── WorkerCommandTimeout (504)                    a worker did not answer an admin command
+├── NotSupportedByEngine (501)                        the worker's engine cannot do that (why)
+├── WorkerCommandFailed (500)                         a worker tried an admin command and gave up
 ├── EngineError (500, server_error)                   one request failed inside the engine
 │   ├── EngineDead (500)                              the engine is gone; the worker must exit
 │   ├── PoisonJob (500)                               failed on max_deliveries runs: dead-lettered
@@ -134,6 +142,45 @@ class ApiKeyRevoked(ConveyorError):
     code = "api_key_revoked"
 
 
+class AdapterLoadFailed(InvalidRequest):
+    """Every live worker of the base model refused the adapter (bad path, rank, base...):
+    the message carries their reasons; nothing stays registered."""
+
+    code = "adapter_load_failed"
+
+
+class AdapterConflict(ConveyorError):
+    status = 409
+    type = "invalid_request_error"
+    code = "adapter_conflict"
+
+
+class AdapterNotFound(ConveyorError):
+    status = 404
+    type = "invalid_request_error"
+    code = "adapter_not_found"
+
+
+class WorkerNotFound(ConveyorError):
+    status = 404
+    type = "invalid_request_error"
+    code = "worker_not_found"
+
+
+class NotSupportedByEngine(ConveyorError):
+    """An admin command the worker's engine cannot carry out (never faked)."""
+
+    status = 501
+    type = "server_error"
+    code = "not_supported"
+
+
+class WorkerCommandFailed(ConveyorError):
+    status = 500
+    type = "server_error"
+    code = "worker_command_failed"
+
+
 class IdempotencyConflict(ConveyorError):
     status = 409
     type = "invalid_request_error"
@@ -205,6 +252,14 @@ class NoLiveWorker(RetryableError):
     code = "no_live_worker"
 
 
+class AdapterLoadTimeout(RetryableError):
+    """No live worker reported an adapter loaded (or failed) in time: it was rolled back."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "adapter_load_timeout"
+
+
 class GatewayDraining(RetryableError):
     status = 503
     type = "service_unavailable"
@@ -227,6 +282,10 @@ class DeadlineExceeded(ConveyorError):
     status = 504
     type = "timeout"
     code = "deadline_exceeded"
+
+
+class WorkerCommandTimeout(DeadlineExceeded):
+    code = "worker_command_timeout"
 
 
 class EngineError(ConveyorError):

@@ -108,6 +108,18 @@ def adapters_generation(base_model: str) -> str:
     return f"{PREFIX}:adapters-generation:{base_model}"
 
 
+def adapter_lock(name: str) -> str:
+    """Lock held while adapter ``name`` is registered or removed (one change at a time,
+    across gateways and the CLI)."""
+    return f"{PREFIX}:lock:adapter:{name}"
+
+
+def adapters_publish_lock(base_model: str) -> str:
+    """Lock held while the SQL registry of ``base_model`` is read and published, so two
+    writers cannot publish stale reads over each other."""
+    return f"{PREFIX}:lock:adapters-publish:{base_model}"
+
+
 def command_reply(command_id: str) -> str:
     """List a worker pushes its answer to one admin command onto (short-lived)."""
     return f"{PREFIX}:command-reply:{command_id}"

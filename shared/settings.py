@@ -258,6 +258,15 @@ class GatewaySettings(ImageSettings):
     usage_retention_days: int = Field(
         0, description="Delete usage ledger rows older than this many days (0: keep them all)."
     )
+    lora_load_timeout_s: float = Field(
+        60.0,
+        description="How long POST /admin/loras waits for a worker to report the adapter "
+        "loaded before it rolls the registration back (503).",
+    )
+    worker_command_timeout_s: float = Field(
+        30.0,
+        description="How long /admin/workers/{id}/... waits for the worker's answer (504).",
+    )
 
 
 class WorkerSettings(ImageSettings):
@@ -353,6 +362,12 @@ class SupervisorSettings(CommonSettings):
     )
     workers: int = Field(
         1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
+    )
+    lora_demo: bool = Field(
+        False,
+        description="`conveyor up`: write a random demo LoRA adapter for the model (into "
+        "<data_dir>/demo-lora) and register it as `demo-lora`, so every worker loads it "
+        "before it is ready and /v1/models lists it.",
     )
 
 

@@ -6,7 +6,9 @@ Start-up:
    (CONVEYOR_DATABASE_URL) is never migrated here: while it is not at head, /ready
    is 503 and says to run `conveyor db upgrade`; it is checked again every few seconds;
 3. load the API keys into the cache (a failure is not fatal: the cache retries);
-4. start the key-cache poller, the ledger consumer, the sweep that writes the usage of
+4. publish the LoRA registry (SQL) to Redis, the desired state workers load (a failure
+   is not fatal: the adapter watch republishes when it sees the state missing);
+5. start the key-cache poller, the ledger consumer, the sweep that writes the usage of
    dead gateways' requests, the schema watch and retention.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,11 +24,13 @@ from redis.exceptions import RedisError
 
 from gateway.control.key_cache import KeyCache
 from gateway.control.key_service import KeyService
+from gateway.control.lora_service import LoraService
 from gateway.db.engine import Database, first_line, open_database
 from gateway.db.schema import SchemaStatus, schema_status, upgrade_to_head
 from gateway.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
 from gateway.ledger_retention import retention_loop
 from gateway.orphan_usage import OrphanUsageSweep
+from shared.errors import ConveyorError
 from shared.liveness import GatewayWatch
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
@@ -37,7 +42,14 @@ SCHEMA_CHECK_AT_HEAD_S = 30.0
 
 
 class ControlPlane:
-    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, gateway_id: str) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        redis: aioredis.Redis,
+        gateway_id: str,
+        *,
+        bases: Callable[[], Iterable[str]] = tuple,
+    ) -> None:
         self.settings = settings
         self.embedded = settings.database_is_embedded()
         self.database: Database = open_database(settings.database_url_or_default())
@@ -46,6 +58,12 @@ class ControlPlane:
         self.ledger = LedgerConsumer(redis, self.database.sessions, gateway_id)
         self.orphan_usage = OrphanUsageSweep(
             redis, gateway_id, GatewayWatch(redis, grace_s=settings.gateway_liveness_ttl_s)
+        )
+        self.lora = LoraService(
+            self.database.sessions,
+            redis,
+            bases=bases,
+            load_timeout_s=settings.lora_load_timeout_s,
         )
         self.schema: SchemaStatus | None = None
         """The last schema version read (None: never read)."""
@@ -70,6 +88,7 @@ class ControlPlane:
             log.error("%s", problem)
         await self.keys.reload()
         self._warn_without_keys()
+        await self._publish_adapters()
         self._tasks = [
             asyncio.create_task(self.keys.run(), name="api-key-cache"),
             asyncio.create_task(self.ledger.run(), name="ledger-consumer"),
@@ -86,6 +105,14 @@ class ControlPlane:
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         await self.database.dispose()
+
+    async def _publish_adapters(self) -> None:
+        if not self.schema_at_head:
+            return
+        try:
+            await self.lora.publish_all()
+        except (ConveyorError, RedisError) as exc:
+            log.error("could not publish the LoRA registry: %s (retried by the watch)", exc)
 
     async def check_schema(self) -> None:
         try:

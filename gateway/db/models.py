@@ -125,3 +125,16 @@ class UsageRow(Base):
     finished_at: Mapped[datetime] = mapped_column(UtcDateTime)
     recorded_at: Mapped[datetime] = mapped_column(UtcDateTime)
     """When the ledger consumer wrote the row (finished_at to recorded_at = ledger delay)."""
+
+
+class LoraAdapterRow(Base):
+    """A registered LoRA adapter: the desired state (the gateway publishes these rows to
+    Redis, shared/adapters.py; workers of ``base_model`` load them)."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    """The model name clients send for it."""
+    path: Mapped[str] = mapped_column(String(4096))
+    base_model: Mapped[str] = mapped_column(String(200), index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -70,7 +70,8 @@ async def embeddings(
 
 @router.get("/models")
 async def list_models(state: StateDep, principal: Inference) -> dict[str, Any]:
-    models = [m for m in state.catalog.all() if principal.may_use(m.name)]
+    every = [*state.catalog.all(), *state.catalog.adapters()]
+    models = [m for m in every if principal.may_use(m.name)]
     return {"object": "list", "data": [_model_card(m) for m in models]}
 
 
@@ -80,11 +81,14 @@ async def get_model(model_id: str, state: StateDep, principal: Inference) -> dic
 
 
 def _model_card(model: ServedModel) -> dict[str, Any]:
+    """vLLM's card: a LoRA adapter's ``parent`` is its base model, its ``root`` its folder."""
     return {
         "id": model.name,
         "object": "model",
         "created": model.created_unix,
         "owned_by": "conveyor",
+        "root": model.path,
+        "parent": model.parent,
         "max_model_len": model.max_model_len,
         "kind": model.kind.value,
     }

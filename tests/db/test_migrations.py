@@ -25,7 +25,7 @@ from gateway.db.schema import (
 )
 from tests.support.sql import SqlTarget
 
-TABLES = {"api_keys", "usage_records"}
+TABLES = {"api_keys", "usage_records", "lora_adapters"}
 
 
 def _drift(connection: Connection) -> list[Any]:
@@ -54,6 +54,8 @@ async def test_upgrade_downgrade_upgrade(sql_target: SqlTarget) -> None:
         assert await current_revision(db.engine) == head_revision()
         assert await _run(db, _tables) == TABLES
 
+        await downgrade(db.engine, "0001")
+        assert await _run(db, _tables) == TABLES - {"lora_adapters"}
         await downgrade(db.engine, "base")
         assert await current_revision(db.engine) is None
         assert await _run(db, _tables) == set()

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from shared.demo_model import write_demo_model
+from tests.e2e.lora_stack import LoraStack, lora_session
 from tests.e2e.stack import Process, Stack, wait_until
 
 E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")
@@ -59,3 +60,9 @@ def running(stack: Stack) -> Running:
     gateway, base_url = stack.start_gateway()
     wait_until(f"{base_url}/ready", status=200, process=worker, timeout_s=240)
     return Running(stack, base_url, worker, gateway)
+
+
+@pytest.fixture(scope="session")
+def lora(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraStack]:
+    """The LoRA stack (tests/e2e/lora_stack.py): its own Redis db and worker."""
+    yield from lora_session(demo_model, tmp_path_factory)

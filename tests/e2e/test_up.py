@@ -1,4 +1,5 @@
-"""`conveyor up`: private Redis when none answers, serves, and Ctrl-C leaves nothing running."""
+"""`conveyor up`: private Redis when none answers, serves (with the demo LoRA adapter
+preloaded), and Ctrl-C leaves nothing running."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
         CONVEYOR_MODEL=str(demo_model),
         CONVEYOR_DATA_DIR=str(tmp_path),
         CONVEYOR_PORT=str(port),
+        CONVEYOR_LORA_DEMO="1",
     )
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
@@ -60,6 +62,15 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        assert {m["id"]: m["parent"] for m in models}["demo-lora"] == demo_model.name
+        assert (tmp_path / "demo-lora" / "adapter_config.json").exists()
+        adapted = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "demo-lora", "prompt": "hi", "max_tokens": 3},
+            timeout=60,
+        )
+        assert adapted.status_code == 200, adapted.text
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
