@@ -3,6 +3,7 @@ chunking a stream adds up to the non-streamed answer (Hypothesis)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -53,7 +54,7 @@ SAMPLES: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
         "",
         "Paris is sunny; a < b and <tool is not a tag.",
         [],
-    ),  # fmt: skip
+    ),
     (
         "hermes",
         '<tool_call>\n{"arguments": {"x": 1}, "name": "late_name"}\n</tool_call>',
@@ -67,7 +68,7 @@ SAMPLES: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
         "",
         "<tool_call>not json</tool_call> after",
         [],
-    ),  # fmt: skip
+    ),
     (
         "hermes",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
@@ -120,7 +121,7 @@ SAMPLES: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
         "\nRain is likely.\n",
         "\n\nTake an umbrella.",
         [],
-    ),  # fmt: skip
+    ),
     ("opened-think", "Rain is likely.</think>Umbrella.", "Rain is likely.", "Umbrella.", []),
     (
         "think+hermes",
@@ -158,7 +159,7 @@ def streamed(parser: OutputParser, pieces: list[str]) -> Parsed:
 
 def _split(text: str, cuts: list[int]) -> list[str]:
     points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    return [text[a:b] for a, b in zip(points, points[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(points)]
 
 
 @pytest.mark.parametrize(("kind", "text", "reasoning", "content", "calls"), SAMPLES)
