@@ -96,7 +96,9 @@ async def test_the_openai_sdk_stream_helper_assembles_the_call(
 ) -> None:
     await hermes_gateway.add_worker(script=says(*HERMES_CALL))
     client = openai.AsyncOpenAI(
-        base_url="http://gw/v1", api_key="x", http_client=hermes_gateway.client
+        base_url="http://gw/v1",
+        api_key="x",
+        http_client=hermes_gateway.client,  # type: ignore[arg-type]
     )
     async with client.chat.completions.stream(
         model="tiny",
