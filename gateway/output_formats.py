@@ -31,7 +31,7 @@ class OutputFormats:
     """A :data:`gateway.tool_parsers.PARSERS` name; None: no known tool-call format."""
     reasoning: bool = False
     """The model thinks in ``<think>...</think>`` before it answers."""
-    source: str = "none"
+    source: str = "no chat template was read"
     """Where the tool-call format came from (for the 400 of ``tool_choice: "auto"``)."""
 
 

@@ -83,7 +83,7 @@ class ChoiceOutput:
 
     def __init__(self, parser: OutputParser) -> None:
         self._parser = parser
-        self._text: list[str] = []
+        self._text = ""
         self._sent = Parsed()
         self._call_ids: list[str] = []
 
@@ -93,7 +93,7 @@ class ChoiceOutput:
 
     def feed(self, text: str) -> Json:
         """The delta for ``text`` (may be empty: held back until it can be placed)."""
-        self._text.append(text)
+        self._text += text
         return self._delta(final=False)
 
     def finish(self) -> Json:
@@ -101,7 +101,7 @@ class ChoiceOutput:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> Json:
-        now = self._parser.parse("".join(self._text), final)
+        now = self._parser.parse(self._text, final)
         delta: Json = {}
         reasoning = _growth(self._sent.reasoning, now.reasoning, "reasoning")
         if reasoning:

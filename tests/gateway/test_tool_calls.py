@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+from msgspec.structs import replace
 
 from gateway.model_catalog import ServedModel
 from gateway.output_formats import OutputFormats
@@ -184,3 +185,22 @@ async def test_length_cut_call_keeps_finish_reason_length(hermes_gateway: LiveGa
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": '
+
+
+async def test_a_call_cut_by_a_migration_still_arrives_whole(hermes_gateway: LiveGateway) -> None:
+    """Attempt 0 dies mid-call; attempt 1 (another worker) repeats two events the
+    gateway already has, then goes on: the parse runs on the delivered text."""
+
+    async def migrated(job: Job) -> AsyncIterator[Sequence[Event]]:
+        for seq in range(5):
+            yield [replace(token(job, seq, HERMES_CALL[seq]), attempt=0)]
+        for seq in range(3, len(HERMES_CALL)):
+            yield [replace(token(job, seq, HERMES_CALL[seq]), attempt=1)]
+        yield [replace(finish(job, len(HERMES_CALL), 8), attempt=1)]
+
+    await hermes_gateway.add_worker(script=migrated)
+    response = await hermes_gateway.client.post(CHAT, json=chat(stream=True))
+    deltas = [e.data["choices"][0]["delta"] for e in events(response.text)[:-1]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [c["id"] for c in calls if "id" in c] and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == json.loads(ARGS)
