@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             "need --concurrency, --requests, --rounds >= 1 and --input-tokens >= 8", file=sys.stderr
         )
         return 2
-    if args.interleave and not (args.compare or args.disaggregated):
-        print("--interleave needs --compare or --disaggregated", file=sys.stderr)
+    if args.interleave and not (args.compare or args.disaggregated or args.variant):
+        print("--interleave needs --compare, --disaggregated or --variant", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM both unwind through the finally blocks that stop the servers
     # (SIGINT explicitly too: a shell starts background jobs with SIGINT ignored).
