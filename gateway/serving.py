@@ -11,8 +11,9 @@ expensive work:
    ``Idempotency-Key``;
 3. counts and lengths (:mod:`gateway.limits`) and the image parts
    (:meth:`ImageInputs.parts`): nothing tokenized, nothing fetched;
-4. tokenize (the chat template) and check the context window, then the sampling
-   options of each choice (:mod:`gateway.translate`);
+4. tokenize (the chat template, with the tools :mod:`gateway.tool_choice` plans)
+   and check the context window, then the sampling options of each choice
+   (:mod:`gateway.translate`);
 5. images: fetched, validated and stored (:meth:`ImageInputs.load`), only now;
 6. the :class:`~gateway.plan.RequestPlan` goes to the dispatcher, which queues its
    jobs or refuses it;
@@ -125,17 +126,17 @@ async def plan_chat(
     model = _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_chat(body, model, state.settings)
-    tools = plan_tools(body, model)
+    tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
     prompt = await asyncio.to_thread(
-        translate.chat_prompt, body, model, len(parts), tools.template_tools
+        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools
     )
-    tools = tools.opening_reasoning(opens_reasoning(prompt, model))
+    tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     images = await state.images.load(parts, deadline)
-    work = Generation(tuple(tools.apply(choices)), images, body.n)
+    work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
     plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
-    return plan, tools.parser
+    return plan, tool_plan.parser
 
 
 async def plan_completion(
