@@ -55,9 +55,11 @@ _HEADER = re.compile(
 
 def hold_tag_prefix(text: str, tag: str) -> str:
     """``text`` without a trailing partial ``tag`` (which may yet become the tag)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return text[:-size]
+    position = text.find(tag[0], max(len(text) - len(tag) + 1, 0))
+    while position >= 0:
+        if tag.startswith(text[position:]):
+            return text[:position]
+        position = text.find(tag[0], position + 1)
     return text
 
 
