@@ -40,6 +40,15 @@ from bench.servers import (
 )
 
 DEFAULT_MODEL = Path("/tmp/demo-model")
+BENCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+"""What ``--tools-for`` adds to each request (the demo template does not render it, so
+the prompt is unchanged: only the output parsing differs)."""
 VARIANT_DB = 7  # --variant servers use Redis dbs 7, 8, ... of --redis-url's server
 WARMUP_KEY_BASE = 1_000_000  # warm-up prompts never repeat a measured prompt
 REGISTRY_BEAT_S = 1.2
@@ -103,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compare, --disaggregated or --variant: run every server at once and "
         "alternate rounds, so background load from other processes hits them alike",
     )
+    parser.add_argument(
+        "--tools-for",
+        action="append",
+        default=[],
+        metavar="SERVER",
+        help="send every request to this server (e.g. conveyor-NAME) with a tool and "
+        "tool_choice auto, so the gateway parses the output for tool calls; repeatable",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128, help="requests per round")
     parser.add_argument("--input-tokens", type=int, default=128)
@@ -155,6 +172,8 @@ def _load(
     target: Target, prompts: PromptFactory, keys: range, args: argparse.Namespace
 ) -> tuple[list[RequestResult], float]:
     bodies = [prompts.body(key, args.input_tokens, args.output_tokens) for key in keys]
+    if target.name in args.tools_for:
+        bodies = [{**body, "tools": [BENCH_TOOL], "tool_choice": "auto"} for body in bodies]
     return asyncio.run(
         run_load(
             target.base_url,

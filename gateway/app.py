@@ -110,7 +110,10 @@ def _new_gateway_id() -> str:
 
 def _load_catalog(settings: GatewaySettings) -> ModelCatalog:
     catalog = ModelCatalog.load(
-        settings.served_name(), resolve_model_path(settings), settings.max_model_len
+        settings.served_name(),
+        resolve_model_path(settings),
+        settings.max_model_len,
+        (settings.tool_call_parser, settings.reasoning_parser),
     )
     embed_path, embed_name = settings.embed_model_path(), settings.embed_served_name()
     if embed_path is not None and embed_name is not None:

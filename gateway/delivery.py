@@ -85,7 +85,9 @@ async def stream_events(
                 continue
             event_id = str(event.seq) if single else f"{event.index}-{event.seq}"
             if isinstance(event, TokenEvent):
-                pending.append(sse_data(with_usage(fmt.delta(event)), event_id))
+                chunk = fmt.delta(event)
+                if chunk is not None:  # None: held back (a tool-call tag not yet complete)
+                    pending.append(sse_data(with_usage(chunk), event_id))
             elif isinstance(event, FinishEvent):
                 usage.add(event)
                 chunk = fmt.finish_chunk(event.index, event.finish_reason)

@@ -12,6 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from gateway.output_formats import NO_FORMATS, OutputFormats, detect
 from gateway.tokenizer import ModelTokenizer
 from shared.adapters import AdapterSpec
 from shared.errors import InvalidRequest, ModelNotFound, WrongModelKind
@@ -36,6 +37,8 @@ class ServedModel:
     kind: ModelKind = ModelKind.GENERATE
     image_token_id: int | None = None
     """The (unexpanded) image placeholder of a vision-language model; None: text only."""
+    output_formats: OutputFormats = NO_FORMATS
+    """The tool-call and reasoning formats it writes (gateway/output_formats.py)."""
     parent: str | None = None
     """A LoRA adapter: its base model (``path`` is the adapter's folder); None: a model."""
 
@@ -61,8 +64,15 @@ class ModelCatalog:
         self._adapters: dict[str, ServedModel] = {}
 
     @classmethod
-    def load(cls, name: str, path: str, max_model_len: int | None) -> ModelCatalog:
-        return cls([load_model(name, path, max_model_len)])
+    def load(
+        cls,
+        name: str,
+        path: str,
+        max_model_len: int | None,
+        parsers: tuple[str, str] = ("auto",) * 2,
+    ) -> ModelCatalog:
+        """``parsers``: the tool_call_parser and reasoning_parser settings."""
+        return cls([load_model(name, path, max_model_len, parsers=parsers)])
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._models:
@@ -111,17 +121,23 @@ class ModelCatalog:
 
 
 def load_model(
-    name: str, path: str, max_model_len: int | None, kind: ModelKind = ModelKind.GENERATE
+    name: str,
+    path: str,
+    max_model_len: int | None,
+    kind: ModelKind = ModelKind.GENERATE,
+    parsers: tuple[str, str] = ("auto", "auto"),
 ) -> ServedModel:
     folder = _local_folder(path)
+    tokenizer = ModelTokenizer(folder)
     return ServedModel(
         name=name,
         path=path,
-        tokenizer=ModelTokenizer(folder),
+        tokenizer=tokenizer,
         max_model_len=max_model_len or _context_window(folder),
         created_unix=int(time.time()),
         kind=kind,
         image_token_id=_image_token_id(folder),
+        output_formats=detect(tokenizer.template_source, *parsers),
     )
 
 

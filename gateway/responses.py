@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import output_parsing
+from gateway.output_parsing import ChoiceOutput, OutputParser
 from shared.protocol import FinishEvent, TokenEvent, TokenLogprob
 
 Json = dict[str, Any]
@@ -97,13 +99,14 @@ class ResponseFormat:
     def start_chunk(self, index: int) -> Json | None:
         return None
 
-    def delta(self, event: TokenEvent) -> Json:
+    def delta(self, event: TokenEvent) -> Json | None:
+        """The chunk of ``event``; None when it carries nothing to send yet."""
         body = self.delta_chunk(event)
-        if self.with_token_ids:
+        if body is not None and self.with_token_ids:
             body["choices"][0]["token_ids"] = event.token_ids
         return body
 
-    def delta_chunk(self, event: TokenEvent) -> Json:
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
         raise NotImplementedError
 
     def finish_chunk(self, index: int, finish_reason: str) -> Json:
@@ -114,25 +117,66 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
+    """Chat completions; with an ``output`` parser, each choice's text is read as
+    reasoning, content and tool calls (gateway/output_parsing.py)."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        with_logprobs: bool,
+        with_token_ids: bool = False,
+        output: OutputParser | None = None,
+    ) -> None:
+        super().__init__(
+            request_id, model, with_logprobs=with_logprobs, with_token_ids=with_token_ids
+        )
+        self._parser = output
+        self._outputs: dict[int, ChoiceOutput] = {}
 
     def start_chunk(self, index: int) -> Json:
         return self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
 
-    def delta_chunk(self, event: TokenEvent) -> Json:
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
         logprobs = _chat_logprobs(event.logprobs or []) if self.with_logprobs else None
-        return self.chunk([_chat_choice(event.index, {"content": event.text}, logprobs, None)])
+        delta: Json = {"content": event.text}
+        if self._parser is not None:
+            delta = self._output(event.index, self._parser).feed(event.text)
+            if not delta and logprobs is None and not self.with_token_ids:
+                return None
+        return self.chunk([_chat_choice(event.index, delta, logprobs, None)])
 
     def finish_chunk(self, index: int, finish_reason: str) -> Json:
-        return self.chunk([_chat_choice(index, {}, None, finish_reason)])
+        delta: Json = {}
+        if self._parser is not None:
+            output = self._output(index, self._parser)
+            delta = output.finish()
+            finish_reason = output_parsing.finish_reason(finish_reason, output.made_calls)
+        return self.chunk([_chat_choice(index, delta, None, finish_reason)])
 
     def final_choice(self, choice: ChoiceState) -> Json:
-        message = {"role": "assistant", "content": "".join(choice.text)}
+        text = "".join(choice.text)
+        message: Json = {"role": "assistant", "content": text}
+        reason = choice.finish_reason
+        if self._parser is not None:
+            parsed = self._parser.parse(text, final=True)
+            message = output_parsing.message(parsed)
+            if reason is not None:
+                reason = output_parsing.finish_reason(reason, bool(parsed.calls))
         logprobs = _chat_logprobs(choice.logprobs) if self.with_logprobs else None
-        body = _chat_choice(choice.index, message, logprobs, choice.finish_reason)
+        body = _chat_choice(choice.index, message, logprobs, reason)
         body["message"] = body.pop("delta")
         return body
+
+    def _output(self, index: int, parser: OutputParser) -> ChoiceOutput:
+        output = self._outputs.get(index)
+        if output is None:
+            output = self._outputs[index] = ChoiceOutput(parser)
+        return output
 
 
 class CompletionFormat(ResponseFormat):
@@ -147,7 +191,7 @@ class CompletionFormat(ResponseFormat):
         )
         self._text_offsets: dict[int, int] = {}
 
-    def delta_chunk(self, event: TokenEvent) -> Json:
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
         logprobs = None
         if self.with_logprobs:
             start = self._text_offsets.get(event.index, 0)

@@ -92,10 +92,53 @@ class ImagePart(_Lenient):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+MAX_TOOLS = 128
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+FunctionName = Annotated[str, StringConstraints(pattern=FUNCTION_NAME)]
+
+
+class FunctionDefinition(_Lenient):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema (size and depth are capped in gateway/tool_choice.py)."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Lenient):
+    name: FunctionName
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class FunctionCall(_Lenient):
+    name: FunctionName
+    arguments: Text
+    """JSON text, as the model wrote it."""
+
+
+class AssistantToolCall(_Lenient):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    """An assistant's earlier calls (a multi-turn agent loop)."""
+    tool_call_id: Text | None = None
+    """A ``tool`` message: the call it answers."""
 
 
 class SamplingFields(_Lenient):
@@ -147,10 +190,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Known OpenAI fields this server cannot honour yet: declared so they are refused
     # (gateway/translate.py::refuse_unsupported) rather than silently ignored.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None

@@ -11,8 +11,9 @@ expensive work:
    ``Idempotency-Key``;
 3. counts and lengths (:mod:`gateway.limits`) and the image parts
    (:meth:`ImageInputs.parts`): nothing tokenized, nothing fetched;
-4. tokenize (the chat template) and check the context window, then the sampling
-   options of each choice (:mod:`gateway.translate`);
+4. tokenize (the chat template, with the tools :mod:`gateway.tool_choice` plans)
+   and check the context window, then the sampling options of each choice
+   (:mod:`gateway.translate`);
 5. images: fetched, validated and stored (:meth:`ImageInputs.load`), only now;
 6. the :class:`~gateway.plan.RequestPlan` goes to the dispatcher, which queues its
    jobs or refuses it;
@@ -44,6 +45,7 @@ from gateway.delivery import (
 )
 from gateway.embeddings import collect_embeddings, embedding_inputs, input_token_ids
 from gateway.model_catalog import ModelKind, ServedModel
+from gateway.output_parsing import OutputParser
 from gateway.plan import Deadline, Embedding, Generation, RequestPlan, W
 from gateway.request_handle import RequestHandle
 from gateway.request_tally import reserved_tokens
@@ -55,6 +57,7 @@ from gateway.schemas import (
     SamplingFields,
 )
 from gateway.state import GatewayState
+from gateway.tool_choice import opens_reasoning, plan_tools
 from shared.errors import GatewayDraining
 from shared.key_limits import LimitCharge
 
@@ -79,12 +82,13 @@ class RequestHeaders:
 async def chat_completions(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
-    plan = await plan_chat(state, body, headers)
+    plan, parser = await plan_chat(state, body, headers)
     fmt = ChatFormat(
         plan.request_id,
         plan.model,
         with_logprobs=body.logprobs,
         with_token_ids=body.return_token_ids,
+        output=parser,
     )
     return await _generate(state, plan, body, fmt, receive)
 
@@ -117,16 +121,22 @@ async def embeddings(
 
 async def plan_chat(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders
-) -> RequestPlan[Generation]:
+) -> tuple[RequestPlan[Generation], OutputParser | None]:
+    """The request's plan, and how its choices' text is read (tool calls, reasoning)."""
     model = _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_chat(body, model, state.settings)
+    tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
-    prompt = await asyncio.to_thread(translate.chat_prompt, body, model, len(parts))
+    prompt = await asyncio.to_thread(
+        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools
+    )
+    tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     images = await state.images.load(parts, deadline)
-    work = Generation(tuple(choices), images, body.n)
-    return _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
+    work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
+    plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
+    return plan, tool_plan.parser
 
 
 async def plan_completion(

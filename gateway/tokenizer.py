@@ -50,6 +50,7 @@ class ModelTokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self.has_chat_template = isinstance(template, str)
+        self.template_source = template if isinstance(template, str) else None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

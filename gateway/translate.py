@@ -44,21 +44,11 @@ def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
 
 
 def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
-    tool_calling = f"tool calling is not supported for model `{name}`"
-    if request.tools:
-        raise UnsupportedParameter(f"{tool_calling}; send the request without tools", param="tools")
-    if request.tool_choice not in (None, "none"):
-        raise UnsupportedParameter(
-            f'{tool_calling}; tool_choice may only be "none"', param="tool_choice"
-        )
+    legacy = "the deprecated functions API is not supported; send tools and tool_choice"
     if request.functions:
-        raise UnsupportedParameter(
-            f"{tool_calling}; send the request without functions", param="functions"
-        )
+        raise UnsupportedParameter(legacy, param="functions")
     if request.function_call not in (None, "none"):
-        raise UnsupportedParameter(
-            f'{tool_calling}; function_call may only be "none"', param="function_call"
-        )
+        raise UnsupportedParameter(legacy, param="function_call")
     if request.audio is not None or any(m != "text" for m in request.modalities or ()):
         raise UnsupportedParameter(
             f"model `{name}` answers with text only",
@@ -68,13 +58,20 @@ def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
         raise UnsupportedParameter("web search is not supported", param="web_search_options")
 
 
-def chat_prompt(request: ChatCompletionRequest, model: ServedModel, images: int = 0) -> list[int]:
+def chat_prompt(
+    request: ChatCompletionRequest,
+    model: ServedModel,
+    images: int = 0,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """The prompt's token ids; a vision-language model's images appear as one (unexpanded)
-    placeholder token each, which the engine expands to the image's embeddings."""
+    placeholder token each, which the engine expands to the image's embeddings. ``tools``
+    go to the template's ``tools`` variable (templates without one ignore them)."""
     placeholder = model.image_token_id
     vision = placeholder is not None
     messages = [_message_dict(i, message, vision) for i, message in enumerate(request.messages)]
-    prompt = model.tokenizer.encode_chat(messages)
+    extra = {"tools": tools} if tools else {}
+    prompt = model.tokenizer.encode_chat(messages, **extra)
     if placeholder is not None and prompt.count(placeholder) != images:
         raise InvalidRequest(
             f"the chat template of `{model.name}` placed {prompt.count(placeholder)} image "
@@ -96,7 +93,22 @@ def _message_dict(position: int, message: Any, vision: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name:
         entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
     return entry
+
+
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    """Chat templates render arguments with ``tojson``: give them the object (as
+    transformers and vLLM do), or the text when it is not JSON."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 def _template_part(part: Any) -> dict[str, Any]:

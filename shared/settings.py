@@ -255,6 +255,16 @@ class GatewaySettings(ImageSettings):
         description="Disaggregated mode: prompts shorter than this (one CPU KV block) skip the "
         "prefill stage and go straight to a decode worker.",
     )
+    tool_call_parser: str = Field(
+        "auto",
+        description="The served model's tool-call format for tool_choice auto: `auto` (read "
+        "from its chat template), `none`, `hermes`, `llama3_json` or `mistral`.",
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="Split <think>...</think> off as reasoning_content: `auto` (when the "
+        "chat template has <think>), `none` or `think`.",
+    )
     usage_retention_days: int = Field(
         0, description="Delete usage ledger rows older than this many days (0: keep them all)."
     )

@@ -72,22 +72,29 @@ def test_logit_bias_outside_the_vocabulary_is_a_400(
 
 
 @pytest.mark.parametrize(
-    ("fields", "param"),
+    ("fields", "param", "code", "says"),
     [
-        ({"tools": TOOLS}, "tools"),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-        ({"function_call": "auto"}, "function_call"),
+        ({"tools": TOOLS}, "tool_choice", "unsupported_parameter", 'tool_choice "auto" needs'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter", "no"),
+        ({"tool_choice": "required"}, "tool_choice", None, "tool_choice needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", None,
+         "tool_choice needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice", None, "`g`, which is not in tools"),
+        ({"tools": TOOLS * 2, "tool_choice": "required"}, "tools[1]", None, "two tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", None, "cannot be combined"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "unsupported_parameter",
+         "functions API"),
+        ({"function_call": "auto"}, "function_call", "unsupported_parameter", "functions API"),
     ],
-)
-def test_tool_calling_is_refused_with_a_400_that_says_so(
-    client: TestClient, fields: dict[str, Any], param: str
+)  # fmt: skip
+def test_tool_calling_it_cannot_honour_is_a_400_that_says_why(
+    client: TestClient, fields: dict[str, Any], param: str, code: str | None, says: str
 ) -> None:
     error = error_of(client.post(CHAT, json={**BODIES[CHAT], **fields}))
-    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
-    assert "tool calling is not supported for model `tiny`" in error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert says in error["message"]
 
 
 @pytest.mark.parametrize(

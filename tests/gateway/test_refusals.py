@@ -116,8 +116,10 @@ async def test_the_same_idempotency_key_is_a_409_and_queued_once(gateway: LiveGa
         (CHAT, {**BODIES[CHAT], "max_tokens": 10_000}, 400, "context_length_exceeded",
          "max_tokens"),
         (CHAT, {**BODIES[CHAT], "temperature": 3}, 400, "invalid_value", "temperature"),
-        (CHAT, {**BODIES[CHAT], "tools": [{"type": "function"}]}, 400, "unsupported_parameter",
-         "tools"),
+        (CHAT, {**BODIES[CHAT], "tools": [{"type": "function"}]}, 400, "invalid_value",
+         "tools[0].function"),
+        (CHAT, {**BODIES[CHAT], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         400, "unsupported_parameter", "tool_choice"),
     ],
 )  # fmt: skip
 async def test_client_errors_name_what_to_fix_and_queue_nothing(

@@ -20,6 +20,7 @@ from tokenizers import (
 )
 
 from gateway.model_catalog import ServedModel
+from gateway.output_formats import detect
 from gateway.tokenizer import ModelTokenizer
 
 SENTENCES = [
@@ -75,6 +76,7 @@ def tiny_served_model(folder: Path, tokenizer: ModelTokenizer) -> ServedModel:
         tokenizer=tokenizer,
         max_model_len=MAX_MODEL_LEN,
         created_unix=1_700_000_000,
+        output_formats=detect(tokenizer.template_source, "auto", "auto"),
     )
 
 

@@ -133,12 +133,12 @@ def test_stream_options_need_stream(kind: str) -> None:
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_unknown_fields_are_accepted_and_kept_aside(kind: str) -> None:
     request = BUILDERS[kind](
-        parallel_tool_calls=True,
+        service_tier="auto",
         metadata={"a": 1},
         some_langchain_extra=[1, 2],
     )
     assert set(request.model_extra or {}) == {
-        "parallel_tool_calls",
+        "service_tier",
         "metadata",
         "some_langchain_extra",
     }
