@@ -297,7 +297,13 @@ async def main_async(args: argparse.Namespace) -> int:
     ]
     log = folder / "worker.log"
     results = await measure(
-        args, model, specs, log, CONVEYOR_MAX_LORAS="2", CONVEYOR_MAX_LORA_RANK="8"
+        args,
+        model,
+        specs,
+        log,
+        CONVEYOR_ENABLE_LORA="true",
+        CONVEYOR_MAX_LORAS="2",
+        CONVEYOR_MAX_LORA_RANK="8",
     )
     if args.lora_off:
         results.update(

@@ -68,7 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         folders = [
             write_demo_lora(root / f"lora-{i}", base=model, seed=i) for i in range(args.adapters)
         ]
-        server = conveyor_server(model, MODEL, args.redis_url, "float32", 16, root)
+        server = conveyor_server(
+            model,
+            MODEL,
+            args.redis_url,
+            "float32",
+            16,
+            root,
+            env_overrides={"CONVEYOR_ENABLE_LORA": "true"},
+        )
         with running(server, startup_timeout_s=300) as up:
             timings = measure(up.base_url, folders)
     for what, values in timings.items():

@@ -203,6 +203,7 @@ def run_up(settings: Settings) -> int:
     if settings.lora_demo:
         from conveyor.lora_cli import preload_demo_lora
 
+        settings = settings.model_copy(update={"enable_lora": True})
         preload_demo_lora(settings)
     env = child_env(_settings_env(settings))
     supervisor = Supervisor()

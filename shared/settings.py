@@ -343,9 +343,11 @@ class WorkerSettings(ImageSettings):
         "compact JSON, which stops small models from emitting whitespace forever.",
     )
     enable_lora: bool = Field(
-        True,
+        False,
         description="vLLM aggregated workers: serve LoRA adapters (the registry's desired "
-        "state, shared/adapters.py). Off: every registered adapter is reported failed here.",
+        "state, shared/adapters.py). Off by default, as in vLLM: an engine with LoRA on "
+        "runs its LoRA ops on every step, which cost base-model traffic ~20% of its "
+        "throughput on CPU. Off: every registered adapter is reported failed here.",
     )
     max_loras: int = Field(
         4,
@@ -377,7 +379,7 @@ class SupervisorSettings(CommonSettings):
         False,
         description="`conveyor up`: write a random demo LoRA adapter for the model (into "
         "<data_dir>/demo-lora) and register it as `demo-lora`, so every worker loads it "
-        "before it is ready and /v1/models lists it.",
+        "before it is ready and /v1/models lists it. Turns CONVEYOR_ENABLE_LORA on.",
     )
 
 

@@ -34,8 +34,9 @@ from tests.deploy.compose_model import (
 )
 
 SETTING_VARIABLES = {f"CONVEYOR_{name.upper()}" for name in Settings.model_fields}
-SET_BY_COMMAND_OR_UP = {"CONVEYOR_ROLE", "CONVEYOR_MODE", "CONVEYOR_WORKERS"}
-"""Not in the shared environment: the role is each worker's flag; mode/workers are `up`'s."""
+SET_BY_COMMAND_OR_UP = {"CONVEYOR_ROLE", "CONVEYOR_MODE", "CONVEYOR_WORKERS", "CONVEYOR_LORA_DEMO"}
+"""Not in the shared environment: the role is each worker's flag; mode, workers and the
+demo adapter are `up`'s."""
 
 
 def test_every_service_the_issue_names_exists() -> None:
