@@ -61,6 +61,16 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
 
 
+def is_guided(sampling: SamplingOptions) -> bool:
+    """Structured output: a grammar constrains every token."""
+    return sampling.json_schema is not None or sampling.json_object
+
+
+def is_deterministic(sampling: SamplingOptions) -> bool:
+    """The same prompt gives the same tokens again: greedy, or sampled with a seed."""
+    return sampling.temperature == 0 or sampling.seed is not None
+
+
 class ImageRef(msgspec.Struct, frozen=True, array_like=True):
     """One image of a prompt, named by the SHA-256 of its bytes (see shared/images.py)."""
 

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from shared import keys
 from shared.errors import ConveyorError, DeadlineExceeded, MigrationRefused, PoisonJob
 from shared.liveness import GatewayWatch
-from shared.protocol import GenerateJob, Job, encode
+from shared.protocol import GenerateJob, Job, encode, is_deterministic, is_guided
 from workers.journal import RunLease
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,11 @@ def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str |
         return f"its worker stopped mid-stream {lease.attempt} times (migration limit reached)"
     if not isinstance(job, GenerateJob):
         return None
-    if job.sampling.json_schema is not None or job.sampling.json_object:
-        return "its worker stopped mid-stream and guided decoding cannot resume elsewhere"
+    if is_guided(job.sampling) and not is_deterministic(job.sampling):
+        return (
+            "its worker stopped mid-stream and guided decoding resumes elsewhere only when "
+            "it is deterministic (temperature 0 or a seed)"
+        )
     return None
 
 

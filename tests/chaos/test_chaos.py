@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.chaos import scenarios
 from tests.chaos.checker import HEADER
 from tests.chaos.cluster import Cluster
 from tests.chaos.run import WORKER_ENV
+from tests.chaos.tool_call import NOTE_SCHEMA, forced_call
 
 pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -60,3 +63,17 @@ def test_overload_is_refused_cleanly(cluster: Cluster) -> None:
     print(report.row())
     assert report.hung == 0
     assert report.completed + report.rejected + report.failed_clean == report.sent
+
+
+def test_a_forced_tool_call_survives_its_worker_sigkill(cluster: Cluster) -> None:
+    """The worker streaming a forced call's arguments dies: another one replays the
+    greedy guided run and the client's stream goes on, one call, same arguments."""
+    reference = asyncio.run(forced_call(cluster, kill=False))
+    migrated = asyncio.run(forced_call(cluster, kill=True))
+    cluster.wait_workers(len(cluster.workers))
+    assert migrated.killed
+    for call in (reference, migrated):
+        assert len(call.ids) == 1 and call.names == ["write_note"]
+        assert call.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.arguments), NOTE_SCHEMA)
+    assert migrated.arguments == reference.arguments

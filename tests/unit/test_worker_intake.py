@@ -120,6 +120,72 @@ async def test_resumed_job_with_no_room_left_finishes_with_length(
     assert events[-1] == FinishEvent("full", 0, 2, 0, "length", 3, 2)
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"json_schema": '{"type": "object"}', "temperature": 0.0},
+        {"json_object": True, "seed": 7},
+    ],
+    ids=["json-schema-greedy", "json-object-seeded"],
+)
+async def test_deterministic_guided_job_is_replayed_not_appended(
+    redis_target: RedisTarget, sampling: dict[str, Any]
+) -> None:
+    """A grammar cannot continue after appended tokens: the prompt runs again and the
+    tokens the client has are regenerated, checked and not sent twice."""
+    job = with_sampling(make_job("forced", max_tokens=16), **sampling)
+    before: list[TokenEvent] = []
+
+    async def crashed_worker(redis: aioredis.Redis) -> None:
+        events, _ = await earlier_run(redis, job, tokens=[[100], [101]])
+        before.extend(events)
+
+    engine = FakeEngine(tokens=4)  # regenerates 100, 101, then 102, 103
+    async with worker(
+        redis_target, engine, setup=crashed_worker, claim_idle_ms=100, timing=FAST_JANITOR
+    ) as w:
+        events = await w.final_events("forced")
+        await w.drained()
+
+    [(_, prompt, resumed_sampling)] = engine.requests
+    assert (prompt, resumed_sampling) == ([1, 2, 3], job.sampling)
+    assert events[:2] == before
+    tokens = [e.token_ids for e in events if isinstance(e, TokenEvent)]
+    assert tokens == [[100], [101], [102], [103]]
+    assert [e.seq for e in events] == list(range(5))
+    assert events[-1] == FinishEvent("forced", 0, 4, 1, "stop", 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("earlier", "why"),
+    [([[100], [999]], "differed"), ([[100], [101], [102], [103], [104]], "ended before")],
+    ids=["diverged", "shorter"],
+)
+async def test_a_replay_that_does_not_match_ends_with_a_clean_error(
+    redis_target: RedisTarget, earlier: list[list[int]], why: str
+) -> None:
+    job = with_sampling(make_job("forced", max_tokens=16), json_object=True, temperature=0.0)
+
+    async def crashed_worker(redis: aioredis.Redis) -> None:
+        await earlier_run(redis, job, tokens=earlier)
+
+    async with worker(
+        redis_target,
+        FakeEngine(tokens=4),
+        setup=crashed_worker,
+        claim_idle_ms=100,
+        timing=FAST_JANITOR,
+    ) as w:
+        events = await w.final_events("forced")
+        await w.drained()
+        assert await w.redis.exists(*run_keys("forced/0")) == 0
+    *tokens, error = events
+    assert [e.token_ids for e in tokens if isinstance(e, TokenEvent)] == earlier
+    assert isinstance(error, ErrorEvent)
+    assert (error.code, error.seq) == ("migration_failed", len(earlier))
+    assert why in error.message
+
+
 async def test_job_that_failed_max_deliveries_times_is_dead_lettered(
     redis_target: RedisTarget,
 ) -> None:

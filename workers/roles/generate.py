@@ -4,12 +4,20 @@ A job that an earlier run already started (the worker died, was fenced out or
 handed it back) continues from the tokens that run emitted: they are appended
 to the prompt and taken off ``max_tokens``, and seq numbering carries on, so
 the client sees every token exactly once (Dynamo's migration semantics).
+
+Guided decoding (a JSON schema: forced tool calls, ``response_format``) cannot
+continue that way: the grammar would start again after the appended tokens. A
+deterministic guided job (temperature 0, or a seed) is *replayed* instead: the
+original prompt runs again, the emitted tokens are regenerated, checked equal to
+what the client already has and not sent again, and the stream goes on after them.
+Intake refuses to migrate a guided job that is not deterministic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -21,9 +29,17 @@ from shared.errors import (
     DeadlineExceeded,
     EngineDead,
     InvalidRequest,
+    MigrationRefused,
     ModelNotFound,
 )
-from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
+from shared.protocol import (
+    FinishEvent,
+    GenerateJob,
+    SamplingOptions,
+    TokenEvent,
+    is_deterministic,
+    is_guided,
+)
 from shared.settings import Settings
 from workers.canary import CANARY_PROMPT, CANARY_SAMPLING
 from workers.engines.base import (
@@ -59,8 +75,9 @@ async def load_images(loader: PromptImageLoader | None, job: GenerateJob) -> Pro
 
 
 def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], SamplingOptions]:
-    """Prompt and sampling that continue ``job`` after ``emitted`` tokens."""
-    if not emitted:
+    """Prompt and sampling that continue ``job`` after ``emitted`` tokens (a replayed job
+    starts from its own prompt: see the module docstring)."""
+    if not emitted or replays(job.sampling):
         return job.prompt_token_ids, job.sampling
     sampling = msgspec.structs.replace(
         job.sampling,
@@ -68,6 +85,48 @@ def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], Sampl
         min_tokens=max(0, job.sampling.min_tokens - len(emitted)),
     )
     return job.prompt_token_ids + emitted, sampling
+
+
+def replays(sampling: SamplingOptions) -> bool:
+    """Guided decoding resumes by replaying its output; it can only when that is
+    deterministic."""
+    return is_guided(sampling) and is_deterministic(sampling)
+
+
+class Replay:
+    """The tokens a replayed run regenerates before it has anything new to send."""
+
+    def __init__(self, emitted: list[int]) -> None:
+        self._left = list(emitted)
+
+    @property
+    def done(self) -> bool:
+        return not self._left
+
+    def skip(self, step: StepOutput) -> StepOutput:
+        """``step`` without the tokens the client already has; raises
+        :class:`MigrationRefused` when they differ from what was sent."""
+        head = step.token_ids[: len(self._left)]
+        if head != self._left[: len(head)]:
+            raise MigrationRefused(
+                "its worker stopped mid-stream and the replayed output differed from what "
+                "was already sent; retry the request"
+            )
+        del self._left[: len(head)]
+        rest = step.token_ids[len(head) :]
+        if step.finish_reason is not None and self._left:
+            raise MigrationRefused(
+                "its worker stopped mid-stream and the replayed output ended before what "
+                "was already sent; retry the request"
+            )
+        if not head:
+            return step
+        if rest:  # a step that straddles the end of the replay: its text cannot be split
+            raise MigrationRefused(
+                "its worker stopped mid-stream and the replay could not be joined to what "
+                "was already sent; retry the request"
+            )
+        return dataclasses.replace(step, token_ids=[], text="", logprobs=None)
 
 
 class SequenceRun:
@@ -88,6 +147,7 @@ class SequenceRun:
         self._images = images
         self._adapters = adapters
         self._completion_tokens = len(lease.emitted)
+        self._replay = Replay(lease.emitted if replays(self.job.sampling) else [])
 
     async def run(self) -> None:
         job = self.job
@@ -167,7 +227,8 @@ class SequenceRun:
         stream = self._engine.generate(
             job.job_id, prompt, sampling, handoff=handoff, images=images, adapter=job.adapter
         )
-        async for step in stream:
+        async for output in stream:
+            step = output if self._replay.done else self._replay.skip(output)
             if step.token_ids or step.text:
                 self._completion_tokens += len(step.token_ids)
                 event = TokenEvent(
