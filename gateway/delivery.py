@@ -23,7 +23,10 @@ from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
-KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE = ": keep-alive\n"
+"""A comment line with no blank line after it: a blank line would end an SSE event, and
+a client that saw an ``id:`` before (the official ``openai`` SDK, as the SSE spec says)
+dispatches that empty event and fails to decode its empty ``data``."""
 
 
 class EventStreamResponse(StreamingResponse):

@@ -73,7 +73,8 @@ def test_a_forced_tool_call_survives_its_worker_sigkill(cluster: Cluster) -> Non
     cluster.wait_workers(len(cluster.workers))
     assert migrated.killed
     for call in (reference, migrated):
-        assert len(call.ids) == 1 and call.names == ["write_note"]
-        assert call.finish_reason == "tool_calls"
+        assert len(call.ids) == 1 and call.names == ["write_note"], call
+        assert call.finish_reason == "tool_calls", call
+        assert call.arguments, call
         jsonschema.validate(json.loads(call.arguments), NOTE_SCHEMA)
     assert migrated.arguments == reference.arguments

@@ -17,23 +17,23 @@ class SseEvent:
 
 
 def parse_sse(text: str) -> list[SseEvent | str]:
-    """Events, and comment lines (``": keep-alive"``) where they came."""
+    """Events, and comment lines (``": keep-alive"``) where they came, read line by line
+    as the SSE spec says (a blank line ends an event)."""
     items: list[SseEvent | str] = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        if block.startswith(":"):
-            items.append(block)
-            continue
-        event_id = None
-        data = None
-        for line in block.split("\n"):
+    event_id: str | None = None
+    data: str | None = None
+    for line in text.split("\n"):
+        if line.startswith(":"):
+            items.append(line)
+        elif line:
             field, _, value = line.partition(": ")
             if field == "id":
                 event_id = value
             elif field == "data":
-                data = value if value == DONE else json.loads(value)
-        items.append(SseEvent(event_id, data))
+                data = value
+        elif data is not None:
+            items.append(SseEvent(event_id, data if data == DONE else json.loads(data)))
+            event_id, data = None, None
     return items
 
 

@@ -10,6 +10,7 @@ import struct
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import openai
 import pytest
 
 from shared import keys
@@ -240,6 +241,26 @@ async def test_keepalive_comments_fill_a_quiet_stream(gateway: LiveGateway) -> N
     assert len(quiet) >= 2, response.text  # 0.3 s of quiet, a comment every 0.05 s
     assert set(quiet) == {": keep-alive"}
     assert content(response.text) == "a b "
+
+
+async def test_the_openai_sdk_reads_a_stream_with_keepalives_between_ids(
+    gateway: LiveGateway,
+) -> None:
+    """A keep-alive after an ``id:`` line must not look like an (empty) event to the SDK."""
+    gateway.workers[0].script = quiet_between
+    client = openai.AsyncOpenAI(
+        base_url="http://gw/v1",
+        api_key="x",
+        http_client=gateway.client,  # type: ignore[arg-type]
+    )
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == "a b "
 
 
 async def test_a_silent_worker_ends_in_a_504_and_a_cancel(gateway: LiveGateway) -> None:
