@@ -346,8 +346,8 @@ class WorkerSettings(ImageSettings):
         False,
         description="vLLM aggregated workers: serve LoRA adapters (the registry's desired "
         "state, shared/adapters.py). Off by default, as in vLLM: an engine with LoRA on "
-        "runs its LoRA ops on every step, which cost base-model traffic ~20% of its "
-        "throughput on CPU. Off: every registered adapter is reported failed here.",
+        "runs its LoRA ops on every step, which cost base-model traffic about a fifth of "
+        "its throughput on CPU. Off: every registered adapter is reported failed here.",
     )
     max_loras: int = Field(
         4,

@@ -60,7 +60,8 @@ class FakeLLM:
 
 
 def settings(**changes: Any) -> Settings:
-    return Settings(max_loras=2, max_lora_rank=8, max_cpu_loras=3, **changes)
+    lora: dict[str, Any] = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    return Settings(**{**lora, "max_cpu_loras": 3, **changes})
 
 
 @pytest.fixture
