@@ -6,9 +6,7 @@ Runs on fakeredis and the real Redis, each against SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
-import pytest
 import redis.asyncio as aioredis
 
 from gateway.db.engine import Database
@@ -18,42 +16,32 @@ from shared import keys
 from shared.job_queue import JobQueue, OpenedBy
 from shared.liveness import GatewayWatch
 from shared.open_requests import OpenRequest, OpenRequests, SentTally, orphan_record
-from tests.conftest import RedisTarget
 from tests.contract.test_run_journal import STREAM, make_job
 from tests.db.test_ledger import FAST, rows
 
 DEAD = "gw-dead"
 
 
-@pytest.fixture
-async def redis(redis_target: RedisTarget) -> AsyncIterator[aioredis.Redis]:
-    client = redis_target.connect()
-    await client.flushdb()
-    try:
-        yield client
-    finally:
-        await client.flushdb()
-        await client.aclose()
-
-
 async def test_a_dead_gateways_request_is_one_ledger_row(
-    redis: aioredis.Redis, database: Database
+    redis_backend: aioredis.Redis, database: Database
 ) -> None:
     received = time.time() - 5
     opened = OpenRequest(key_id="key_a", model="m", prompt_tokens=7, n=1, received_unix=received)
-    queue = JobQueue(redis)
+    queue = JobQueue(redis_backend)
     await queue.ensure_group(STREAM)
     job = make_job("r1", reply_to=keys.reply_stream(DEAD))
     await queue.submit(STREAM, [job], max_depth=10, opened=OpenedBy(DEAD, opened))
     first_ms = int((received + 1) * 1000)
-    await redis.hset(keys.sent_tally("r1"), mapping={"c": 9, "t": first_ms, "f:0": "stop|4|1"})
+    await redis_backend.hset(
+        keys.sent_tally("r1"), mapping={"c": 9, "t": first_ms, "f:0": "stop|4|1"}
+    )
 
-    sweep = OrphanUsageSweep(redis, "gw-live", GatewayWatch(redis, grace_s=0.0))
+    sweep = OrphanUsageSweep(redis_backend, "gw-live", GatewayWatch(redis_backend, grace_s=0.0))
     assert await sweep.sweep() == 1
     # The dead gateway was only stalled, and writes its own row late: still one row.
     late = orphan_record("r1", opened, SentTally(completion_tokens=3))
-    await OpenRequests(redis).close(DEAD, late)
-    consumer = LedgerConsumer(redis, database.sessions, "gw-live", FAST)
+    await OpenRequests(redis_backend).close(DEAD, late)
+    consumer = LedgerConsumer(redis_backend, database.sessions, "gw-live", FAST)
     await consumer.ensure_group()
     while await consumer.step():
         pass

@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +25,7 @@ from shared import keys
 from shared.adapters import AdapterSpec, publish_desired
 from shared.demo_lora import write_demo_lora
 from shared.liveness import WorkerRegistration
-from tests.e2e.stack import Process, Stack
+from tests.e2e.stack import Process, Stack, run_offline
 
 MODEL = "tiny"
 LORA_REDIS_URL = os.environ.get("CONVEYOR_TEST_LORA_REDIS_URL", "redis://127.0.0.1:6379/4")
@@ -120,24 +118,13 @@ def write_adapters(folder: Path, base: Path) -> dict[str, Path]:
 
 
 def offline_reference(model: Path, adapters: dict[str, Path]) -> dict[str, list[list[int]]]:
-    script = Path(__file__).with_name("offline_lora.py")
     request = {
         "model": str(model),
         "prompts": PROMPTS,
         "max_tokens": MAX_TOKENS,
         "adapters": {name: str(path) for name, path in adapters.items()},
     }
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stderr[-3000:]
-    result: dict[str, list[list[int]]] = json.loads(lines[-1][len("RESULT ") :])
+    result: dict[str, list[list[int]]] = run_offline("offline_lora.py", request)
     return result
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -129,3 +131,19 @@ def wait_until(url: str, *, status: int, process: Process, timeout_s: float) -> 
             pass
         time.sleep(0.3)
     raise TimeoutError(f"{url} did not return {status} in {timeout_s}s:\n{process.log_tail()}")
+
+
+def run_offline(script: str, request: dict[str, Any]) -> Any:
+    """Run one of this folder's offline vLLM scripts (``offline_*.py``) in its own
+    process on ``request`` (JSON on stdin) and return the JSON of its ``RESULT`` line."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script))],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
 from tests.e2e.conftest import Running
+from tests.e2e.stack import run_offline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
@@ -34,17 +30,6 @@ def test_gateway_tokens_equal_offline_generate(running: Running) -> None:
         )
         response.raise_for_status()
         ours.append(response.json()["choices"][0]["token_ids"])
-    script = Path(__file__).with_name("offline_generate.py")
     request = {"model": str(running.stack.model_path), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stderr[-3000:]
-    reference = json.loads(lines[-1][len("RESULT ") :])
+    reference = run_offline("offline_generate.py", request)
     assert ours == reference
