@@ -5,7 +5,8 @@ Every gateway process runs one consumer of the ``ledger`` group. Its loop:
 1. now and then, take over entries another consumer (a dead gateway) left idle
    (XAUTOCLAIM): they join this consumer's pending list;
 2. read a batch: this consumer's pending entries first (left by a failed insert or
-   just reclaimed), else new entries (XREADGROUP BLOCK);
+   just reclaimed), else new entries (XREADGROUP BLOCK); after a batch that was not
+   full, linger a moment first, so rows are written many to a transaction;
 3. decode; an entry that cannot be decoded goes to the dead-letter stream;
 4. insert the batch in one transaction, skipping request ids already in the ledger;
 5. only after the commit, XACK + XDEL the batch in one MULTI.
@@ -59,6 +60,10 @@ class LedgerPolicy:
     reclaim_every_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    linger_s: float = 0.5
+    """After a batch smaller than ``batch_size``, wait this long before reading again so
+    rows reach SQL in batches: a transaction per request cost the gateway ~1 ms of CPU
+    per request under load. Rows are delayed by it, never lost (they wait in Redis)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +117,11 @@ class LedgerConsumer:
                     await self.ensure_group()
                     grouped = True
                 started = time.monotonic()
-                if not await self.step():
+                handled = await self.step()
+                if not handled:
                     await self._idle(started)
+                elif handled < self._policy.batch_size:
+                    await asyncio.sleep(self._policy.linger_s)
                 backoff_s = self._policy.backoff_initial_s
             except DATABASE_ERRORS as exc:
                 self._database_failed(exc)

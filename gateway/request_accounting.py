@@ -5,7 +5,9 @@ what a live gateway needs to write the usage row should this one die) and notes
 its limit charge (:meth:`opened`), whose concurrency lease :meth:`renew_leases`
 keeps alive. When the request's handle closes, :meth:`settle` gives back the
 unused token reservation and frees the slot, queues the usage row and closes the
-open record (shared/open_requests.py), retrying through a short Redis outage.
+open record (shared/open_requests.py), retrying through a short Redis outage. Requests
+that end while such a write is in flight are closed together in the next one
+(gateway/group_commit.py): under load one MULTI closes many.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.group_commit import GroupCommit, WriterCancelled
 from gateway.plan import AnyPlan
 from gateway.request_tally import prompt_tokens, sequences
 from shared.job_queue import OpenedBy
@@ -43,6 +46,7 @@ class RequestAccounting:
         self._open_requests = OpenRequests(redis)
         self._open_charges: dict[str, LimitCharge] = {}
         self._on_usage = on_usage
+        self._closes = GroupCommit(self._close_many)
 
     def opened_by(self, plan: AnyPlan) -> OpenedBy:
         record = OpenRequest(
@@ -65,20 +69,26 @@ class RequestAccounting:
         self._open_charges.pop(plan.request_id, None)
         self._on_usage(record)
 
-        async def write() -> None:
-            if plan.charge is not None:
-                await self._limits.settle(plan.charge, used_tokens)
-            await self._open_requests.close(self.gateway_id, record)
-
+        charge = plan.charge
         try:
-            await retry(
-                write,
-                for_s=SETTLE_RETRY_S,
-                backoff=Backoff(first_s=0.1, max_s=1.0),
-                what=f"usage of {plan.request_id}",
-            )
-        except RedisError as exc:
-            log.error("usage of %s not recorded: %s", plan.request_id, exc)
+            if charge is not None:
+                await retry(
+                    lambda: self._limits.settle(charge, used_tokens),
+                    for_s=SETTLE_RETRY_S,
+                    backoff=Backoff(first_s=0.1, max_s=1.0),
+                    what=f"limits of {plan.request_id}",
+                )
+            await self._closes.write(record)
+        except (RedisError, WriterCancelled) as exc:
+            log.error("usage of %s not recorded: %r", plan.request_id, exc)
+
+    async def _close_many(self, records: list[UsageRecord]) -> None:
+        await retry(
+            lambda: self._open_requests.close_many(self.gateway_id, records),
+            for_s=SETTLE_RETRY_S,
+            backoff=Backoff(first_s=0.1, max_s=1.0),
+            what=f"usage of {len(records)} request(s)",
+        )
 
     async def renew_leases(self, interval_s: float = CONCURRENCY_LEASE_S / 3) -> None:
         """Keep this gateway's open requests in their keys' concurrency sets."""

