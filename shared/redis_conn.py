@@ -8,6 +8,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.redis_pool import BoundedConnectionPool
+
 SOCKET_TIMEOUT_S = 10.0
 """Blocking stream reads use at most half of this (see DESIGN.md section 3)."""
 
@@ -29,7 +31,7 @@ def db_of(redis: aioredis.Redis) -> int:
 
 
 def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = BoundedConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=SOCKET_TIMEOUT_S,
