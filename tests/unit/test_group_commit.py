@@ -25,6 +25,16 @@ class Recorder:
             raise self.fail_with
 
 
+async def first_write_in_flight() -> tuple[Recorder, GroupCommit[int], asyncio.Task[None]]:
+    """A commit whose first write (of 1) is on the wire until ``recorder.release`` is set."""
+    recorder = Recorder()
+    recorder.release.clear()
+    commit = GroupCommit(recorder.write_many)
+    first = asyncio.create_task(commit.write(1))
+    await recorder.started.wait()
+    return recorder, commit, first
+
+
 async def test_a_lone_write_is_written_at_once_on_its_own() -> None:
     recorder = Recorder()
     commit = GroupCommit(recorder.write_many)
@@ -34,11 +44,7 @@ async def test_a_lone_write_is_written_at_once_on_its_own() -> None:
 
 
 async def test_writes_that_arrive_during_a_write_leave_together_in_the_next() -> None:
-    recorder = Recorder()
-    recorder.release.clear()
-    commit = GroupCommit(recorder.write_many)
-    first = asyncio.create_task(commit.write(1))
-    await recorder.started.wait()
+    recorder, commit, first = await first_write_in_flight()
     later = [asyncio.create_task(commit.write(n)) for n in (2, 3, 4)]
     await asyncio.sleep(0)
     assert not any(task.done() for task in [first, *later])
@@ -48,11 +54,7 @@ async def test_writes_that_arrive_during_a_write_leave_together_in_the_next() ->
 
 
 async def test_each_writer_of_a_failed_batch_sees_the_error_and_the_next_batch_goes() -> None:
-    recorder = Recorder()
-    recorder.release.clear()
-    commit = GroupCommit(recorder.write_many)
-    first = asyncio.create_task(commit.write(1))
-    await recorder.started.wait()
+    recorder, commit, first = await first_write_in_flight()
     second, third = (asyncio.create_task(commit.write(n)) for n in (2, 3))
     await asyncio.sleep(0)
     recorder.fail_with = RuntimeError("redis down")
@@ -65,11 +67,7 @@ async def test_each_writer_of_a_failed_batch_sees_the_error_and_the_next_batch_g
 
 
 async def test_a_cancelled_follower_does_not_cancel_the_batch_it_shares() -> None:
-    recorder = Recorder()
-    recorder.release.clear()
-    commit = GroupCommit(recorder.write_many)
-    first = asyncio.create_task(commit.write(1))
-    await recorder.started.wait()
+    recorder, commit, first = await first_write_in_flight()
     follower, other = (asyncio.create_task(commit.write(n)) for n in (2, 3))
     await asyncio.sleep(0)
     follower.cancel()
@@ -81,11 +79,7 @@ async def test_a_cancelled_follower_does_not_cancel_the_batch_it_shares() -> Non
 
 
 async def test_a_cancelled_writer_fails_the_batches_it_carried_instead_of_stranding_them() -> None:
-    recorder = Recorder()
-    recorder.release.clear()
-    commit = GroupCommit(recorder.write_many)
-    writer = asyncio.create_task(commit.write(1))
-    await recorder.started.wait()
+    recorder, commit, writer = await first_write_in_flight()
     queued = asyncio.create_task(commit.write(2))
     await asyncio.sleep(0)
     writer.cancel()
