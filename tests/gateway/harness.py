@@ -95,7 +95,7 @@ async def register(state: GatewayState, role: Role, model: str, *, slots: int = 
             slots=slots,
         )
     )
-    await state.directory.refresh()
+    await state.cells.home.directory.refresh()
 
 
 # ------------------------------------------------------------------ synchronous tests
@@ -198,7 +198,7 @@ async def live_gateway(
     state = gateway_state(generate, settings, FakeRedis(), more_models)
     app = build_app(settings, None)
     app.state.gateway = state
-    router = asyncio.create_task(state.router.run(), name="reply-router")
+    router = asyncio.create_task(state.cells.home.router.run(), name="reply-router")
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         gateway = LiveGateway(app, state, client)
@@ -208,6 +208,6 @@ async def live_gateway(
             yield gateway
         finally:
             await cancel_and_wait([router, *(w.task for w in gateway.workers if w.task)])
-            await state.dispatcher.wait_background()
+            await state.cells.wait_background()
             await state.images.aclose()
             await state.redis.aclose()
