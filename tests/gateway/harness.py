@@ -218,6 +218,9 @@ async def live_gateway(
             yield gateway
         finally:
             await cancel_and_wait([*routers, *(w.task for w in gateway.workers if w.task)])
+            for worker in gateway.workers:  # one that died with its Redis: seen, not logged at GC
+                if worker.task is not None and not worker.task.cancelled():
+                    worker.task.exception()
             await state.cells.wait_background()
             await state.images.aclose()
             for cell in state.cells.all():

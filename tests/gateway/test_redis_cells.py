@@ -5,7 +5,6 @@ cancel and images stay on its model's Redis; /ready needs both."""
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +52,6 @@ async def two(served_model: ServedModel) -> AsyncIterator[TwoRedis]:
         served_model, model_redis=models, redis_url=HOME_URL, admission_retry_s=0.5
     ) as live:
         yield TwoRedis(live, home, shard)
-    gc.collect()  # now, not inside a later ast.parse (CPython 3.11.7 then raises SystemError)
 
 
 async def _stream_keys(client: FakeRedis, pattern: str) -> set[str]:
