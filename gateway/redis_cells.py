@@ -71,6 +71,8 @@ class RedisCells:
         self.home = home
         self._by_url = {models.home_url: home, **others}
         self._models = models
+        self.sharded = len(self._by_url) > 1
+        """More than one Redis (False: every model is on the home one, no lookup)."""
 
     def all(self) -> list[Cell]:
         """Every cell, the home one first."""
@@ -79,10 +81,6 @@ class RedisCells:
     def others(self) -> list[Cell]:
         """The cells of models with their own Redis (not the home one)."""
         return [cell for cell in self._by_url.values() if cell is not self.home]
-
-    @property
-    def sharded(self) -> bool:
-        return len(self._by_url) > 1
 
     def for_model(self, base_model: str) -> Cell:
         """The cell of ``base_model`` (an adapter's requests go to its base model's)."""
