@@ -57,3 +57,14 @@ def test_one_client_per_distinct_url_and_the_home_one_for_the_rest() -> None:
 
 def test_urls_are_shown_without_their_password() -> None:
     assert shown_url("redis://user:secret@r2:6380/3") == "redis://r2:6380/3"
+
+
+def test_conveyor_up_refuses_several_redis(caplog: pytest.LogCaptureFixture) -> None:
+    """`up` starts one Redis and gives every worker CONVEYOR_REDIS_URL: a model mapped
+    elsewhere would never see its workers, so it stops before starting anything."""
+    from conveyor.cli import run_up
+    from shared.settings import Settings
+
+    settings = Settings(model_redis_urls="conveyor-demo=redis://127.0.0.1:1/0")
+    assert run_up(settings) == 2
+    assert "`conveyor up` runs one Redis" in caplog.text
