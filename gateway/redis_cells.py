@@ -112,19 +112,17 @@ def build_cells(
 ) -> RedisCells:
     """One cell per distinct Redis of ``models``; the home one keeps the control plane."""
 
-    def build(url: str, redis: aioredis.Redis) -> Cell:
-        on_home = url == models.home_url
-        own = models.models_on(url)
+    def build(url: str, redis: aioredis.Redis, name: str) -> Cell:
+        def owns(base: str) -> bool:  # the base models whose adapters are published there
+            return models.url_of(base) == url
 
-        def owns(base: str) -> bool:
-            return base in own or (on_home and models.url_of(base) == models.home_url)
+        return _cell(settings, redis, catalog, gateway_id, on_usage, owns, name)
 
-        return _cell(settings, redis, catalog, gateway_id, on_usage, owns, shown_url(url))
-
-    home = build(models.home_url, models.home)
-    home.name = "home"
+    home = build(models.home_url, models.home, "home")
     others = {
-        url: build(url, redis) for url, redis in models.by_url.items() if url != models.home_url
+        url: build(url, redis, shown_url(url))
+        for url, redis in models.by_url.items()
+        if url != models.home_url
     }
     return RedisCells(home, others, models)
 

@@ -80,10 +80,6 @@ class ModelRedis:
         """The Redis of ``model`` (a base model: an adapter lives on its base's)."""
         return self.by_url[self.url_of(model)]
 
-    def models_on(self, url: str) -> set[str]:
-        """The models given ``url`` explicitly (the home Redis also has every other)."""
-        return {model for model, at in self._model_urls.items() if at == url}
-
     async def aclose(self) -> None:
         for client in self.by_url.values():
             await client.aclose()
