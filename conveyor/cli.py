@@ -186,6 +186,12 @@ def run_up(settings: Settings) -> int:
     from conveyor.redis_server import redis_answers, start_private_redis
     from conveyor.supervisor import Child, Supervisor, child_env
 
+    if settings.model_redis_map():
+        log.error(
+            "`conveyor up` runs one Redis: unset CONVEYOR_MODEL_REDIS_URLS (it is for gateways "
+            'whose models\' workers run on other Redis; README "More than one Redis")'
+        )
+        return 2
     redis_process = None
     if not redis_answers(settings.redis_url):
         log.info("no Redis answers at %s; starting a private one", settings.redis_url)

@@ -8,7 +8,9 @@ it); ``ls`` lists the registry with each worker's state. Running gateways pick c
 up from Redis within a second.
 
 The base models ``add`` accepts: the served model of these settings (``--model`` /
-``--served-model-name``) and every model a live aggregated worker serves.
+``--served-model-name``) and every model a live aggregated worker serves. A base model
+listed in ``CONVEYOR_MODEL_REDIS_URLS`` has its desired state published to its own Redis
+(where its workers read it), as the gateway does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 from gateway.control.lora_service import LoraService
 from shared.adapters import SERVING_ROLE, AdapterSpec
 from shared.liveness import WorkerRegistry
+from shared.model_redis import ModelRedis
+from shared.redis_conn import connect
 from shared.settings import Settings
 
 
@@ -46,21 +50,37 @@ async def run_lora(args: argparse.Namespace, settings: Settings) -> int:
     async with open_control(settings) as (database, redis):
         if redis is None:
             raise CliError("Redis is needed to reach the workers")
-        live = await WorkerRegistry(redis, ttl_s=1.0).live_workers()
-        served = {w.model for w in live if w.role is SERVING_ROLE} | {settings.served_name()}
-        service = LoraService(
-            database.sessions,
-            redis,
-            bases=lambda: served,
-            load_timeout_s=settings.lora_load_timeout_s,
-        )
-        if args.lora_command == "add":
-            return await _add(service, args, settings)
-        if args.lora_command == "rm":
-            spec = await service.unregister(args.name)
-            print(f"removed {spec.name} (was {spec.path} for {spec.base_model})")
-            return 0
-        return await _list(service, as_json=args.json)
+        urls = settings.model_redis_map()
+        model_redis = ModelRedis(settings.redis_url, urls, connect, home=redis)
+        try:
+            live = [
+                worker
+                for client in model_redis.by_url.values()
+                for worker in await WorkerRegistry(client, ttl_s=1.0).live_workers()
+            ]
+            served = {w.model for w in live if w.role is SERVING_ROLE} | {settings.served_name()}
+            service = LoraService(
+                database.sessions,
+                redis,
+                bases=lambda: served,
+                load_timeout_s=settings.lora_load_timeout_s,
+                redis_for=model_redis.for_model,
+            )
+            return await _run(service, args, settings)
+        finally:
+            for client in model_redis.by_url.values():
+                if client is not redis:
+                    await client.aclose()
+
+
+async def _run(service: LoraService, args: argparse.Namespace, settings: Settings) -> int:
+    if args.lora_command == "add":
+        return await _add(service, args, settings)
+    if args.lora_command == "rm":
+        spec = await service.unregister(args.name)
+        print(f"removed {spec.name} (was {spec.path} for {spec.base_model})")
+        return 0
+    return await _list(service, as_json=args.json)
 
 
 async def _add(service: LoraService, args: argparse.Namespace, settings: Settings) -> int:

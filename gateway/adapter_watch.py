@@ -24,16 +24,24 @@ log = logging.getLogger(__name__)
 
 
 class AdapterWatch:
-    def __init__(self, redis: aioredis.Redis, catalog: ModelCatalog) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        catalog: ModelCatalog,
+        *,
+        owns: Callable[[str], bool] = lambda base: True,
+    ) -> None:
         self._redis = redis
         self._catalog = catalog
+        self._owns = owns
+        """The base models whose desired state lives on ``redis`` (gateway/redis_cells.py)."""
         self._seen: dict[str, int] = {}
         self.republish: Callable[[str], Awaitable[object]] | None = None
         """Publish a base model's adapters from SQL (set once the control plane runs)."""
 
     async def refresh(self) -> None:
         """Read every base model's desired state now. Raises RedisError."""
-        for base in self._catalog.bases():
+        for base in filter(self._owns, self._catalog.bases()):
             generation = await desired_generation(self._redis, base)
             if generation is None:
                 await self._republish(base)

@@ -1,9 +1,9 @@
-"""Gateway app factory. The lifespan owns every resource: Redis, the reply reader,
-the worker directory, the gateway's liveness key and the control plane (SQL)."""
+"""Gateway app factory. The lifespan owns every resource: the Redis cells (per Redis: the
+reply reader, the worker directory, the gateway's liveness key, ...) and the control
+plane (SQL)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -16,27 +16,24 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
-from gateway.adapter_watch import AdapterWatch
 from gateway.auth import check_auth_settings
 from gateway.body_limit import BodySizeLimit
 from gateway.control.plane import ControlPlane
-from gateway.dispatch import AdmissionPolicy, Dispatcher
 from gateway.error_handlers import install_error_handlers
 from gateway.image_fetch import FetchPolicy, ImageFetcher
 from gateway.image_inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.model_catalog import ModelCatalog, ModelKind, load_model
+from gateway.redis_cells import build_cells, shown_url
 from gateway.routes import admin, health, loras, metrics, openai, workers
 from gateway.state import GatewayState
 from gateway.translate import UnknownFieldLog
-from gateway.worker_directory import WorkerDirectory
 from shared import keys
 from shared.images import ImageLimits
-from shared.liveness import WorkerRegistry, keep_gateway_alive
 from shared.media_store import ImageStore
+from shared.model_redis import ModelRedis, check_served
 from shared.model_source import resolve_model_path
 from shared.redis_conn import connect
-from shared.reply_stream import ReplyRouter
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 
@@ -47,40 +44,40 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_auth_settings(settings)
+        catalog = _load_catalog(settings)
+        model_redis = _model_redis(settings, catalog)
         state = build_state(
-            settings, connect(settings.redis_url), _load_catalog(settings), _new_gateway_id()
+            settings, model_redis.home, catalog, _new_gateway_id(), model_redis=model_redis
         )
         app.state.gateway = state
         control = state.control = ControlPlane(
-            settings, state.redis, state.gateway_id, bases=state.catalog.bases
+            settings,
+            state.redis,
+            state.gateway_id,
+            bases=state.catalog.bases,
+            cells=[cell.redis for cell in state.cells.others()],
+            redis_for=model_redis.for_model,
         )
         await control.start()
-        state.adapters.republish = control.lora.publish
-        tasks = [
-            asyncio.create_task(state.router.run(), name="reply-router"),
-            asyncio.create_task(state.directory.run(), name="worker-directory"),
-            asyncio.create_task(
-                keep_gateway_alive(state.redis, state.gateway_id, settings.gateway_liveness_ttl_s),
-                name="gateway-liveness",
-            ),
-            asyncio.create_task(state.dispatcher.drain.run(), name="drain-meter"),
-            asyncio.create_task(state.dispatcher.accounting.renew_leases(), name="limit-leases"),
-            asyncio.create_task(state.adapters.run(), name="adapter-watch"),
-        ]
+        tasks = []
+        for cell in state.cells.all():
+            cell.adapters.republish = control.lora.publish
+            tasks += cell.tasks(state.gateway_id, settings.gateway_liveness_ttl_s)
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
         try:
             yield
         finally:
             state.draining = True
-            await state.dispatcher.wait_background()
+            await state.cells.wait_background()
             await cancel_and_wait(tasks)
             await control.stop()
-            with contextlib.suppress(RedisError):
-                await state.redis.delete(
-                    keys.gateway_heartbeat(state.gateway_id), state.router.stream
-                )
+            for cell in state.cells.all():
+                with contextlib.suppress(RedisError):
+                    await cell.redis.delete(
+                        keys.gateway_heartbeat(state.gateway_id), cell.router.stream
+                    )
             await state.images.aclose()
-            await state.redis.aclose()
+            await model_redis.aclose()
 
     return build_app(settings, lifespan)
 
@@ -121,40 +118,46 @@ def _load_catalog(settings: GatewaySettings) -> ModelCatalog:
     return catalog
 
 
+def _model_redis(settings: GatewaySettings, catalog: ModelCatalog) -> ModelRedis:
+    """The Redis clients: home, plus one per distinct CONVEYOR_MODEL_REDIS_URLS URL."""
+    urls = settings.model_redis_map()
+    check_served(urls, {model.name for model in catalog.all()})
+    for model, url in sorted(urls.items()):
+        log.info("model %s lives on its own Redis %s", model, shown_url(url))
+    return ModelRedis(settings.redis_url, urls, connect)
+
+
 def build_state(
-    settings: GatewaySettings, redis: aioredis.Redis, catalog: ModelCatalog, gateway_id: str
+    settings: GatewaySettings,
+    redis: aioredis.Redis,
+    catalog: ModelCatalog,
+    gateway_id: str,
+    *,
+    model_redis: ModelRedis | None = None,
 ) -> GatewayState:
     """Everything a request handler needs, wired from ``settings`` (tests pass a fake Redis
-    and their own catalog); the lifespan starts its background tasks."""
-    router = ReplyRouter(redis, keys.reply_stream(gateway_id))
-    directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
+    and their own catalog; ``model_redis``: the Redis of each model, default ``redis``
+    for all); the lifespan starts the cells' background tasks."""
+    if model_redis is None:
+        model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics()
-    dispatcher = Dispatcher(
-        redis,
-        router,
-        directory,
-        AdmissionPolicy.from_settings(settings),
-        on_usage=metrics.observe_usage,
-    )
+    cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
     return GatewayState(
         metrics=metrics,
         settings=settings,
         gateway_id=gateway_id,
         redis=redis,
         catalog=catalog,
-        directory=directory,
-        router=router,
-        dispatcher=dispatcher,
+        cells=cells,
         unknown_fields=UnknownFieldLog(),
-        images=_image_inputs(settings, redis),
-        adapters=AdapterWatch(redis, catalog),
+        images=_image_inputs(settings, cells.home.images),
     )
 
 
-def _image_inputs(settings: GatewaySettings, redis: aioredis.Redis) -> ImageInputs:
+def _image_inputs(settings: GatewaySettings, store: ImageStore) -> ImageInputs:
     return ImageInputs(
         ImageFetcher(FetchPolicy.from_settings(settings)),
-        ImageStore(redis),
+        store,
         ImageLimits.from_settings(settings),
         max_images=settings.max_images_per_request,
     )

@@ -84,8 +84,11 @@ class ImageInputs:
             )
         return parts
 
-    async def load(self, parts: list[ImagePartRef], deadline: Deadline) -> tuple[ImageRef, ...]:
-        """Fetch and check every part (concurrently), then store them all until
+    async def load(
+        self, parts: list[ImagePartRef], deadline: Deadline, store: ImageStore | None = None
+    ) -> tuple[ImageRef, ...]:
+        """Fetch and check every part (concurrently), then store them all (in ``store``:
+        the Redis of the request's model; default the one given at construction) until
         ``STORE_MARGIN_S`` after the request's deadline; the first failure is raised and
         nothing is stored."""
         if not parts:
@@ -97,7 +100,7 @@ class ImageInputs:
                 raise outcome
             images.append(outcome)
         ttl_s = max(1, math.ceil(deadline.remaining_s())) + STORE_MARGIN_S
-        await self._store.put_many(images, ttl_s)
+        await (store or self._store).put_many(images, ttl_s)
         return tuple(ImageRef(digest, len(data)) for digest, data in images)
 
     async def _load(self, part: ImagePartRef) -> tuple[str, bytes]:

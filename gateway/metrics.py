@@ -28,7 +28,10 @@ from shared import keys
 from shared.usage import UsageRecord
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from gateway.state import GatewayState
+    from shared.liveness import WorkerRegistration
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -135,17 +138,20 @@ class _ScrapeGauges:
         )
 
     async def refresh(self, state: GatewayState) -> None:
-        self.open_requests.set(state.router.open_requests())
-        await self._queues_and_workers(state)
+        self.open_requests.set(state.cells.open_requests())
+        self.workers.clear()
+        self.queue_depth.clear()
+        for cell in state.cells.all():
+            await self._queues_and_workers(cell.redis, cell.directory.all())
         control = state.control
         if control is None:
             return
-        self.ledger_backlog.set(int(await state.redis.xlen(keys.USAGE_STREAM)))
+        self.ledger_backlog.set(await control.backlog())
         ledger = control.ledger.status
         committed = ledger.last_commit_unix
         self.ledger_lag.set(time.time() - committed if committed is not None else -1)
         self.ledger_db_ok.set(1 if ledger.db_ok else 0)
-        self.orphan_rows.set(control.orphan_usage.rows_written)
+        self.orphan_rows.set(control.orphan_rows())
         cache = control.keys.status()
         self.key_cache.labels("keys").set(cache.keys)
         self.key_cache.labels("loaded").set(1 if cache.loaded else 0)
@@ -153,19 +159,19 @@ class _ScrapeGauges:
         age = time.time() - cache.loaded_unix if cache.loaded_unix is not None else -1
         self.key_cache.labels("age_s").set(age)
 
-    async def _queues_and_workers(self, state: GatewayState) -> None:
-        live = state.directory.all()
-        self.workers.clear()
+    async def _queues_and_workers(
+        self, redis: aioredis.Redis, live: list[WorkerRegistration]
+    ) -> None:
+        """One Redis's live workers and the depth of their job streams."""
         for (model, role), count in Tally((w.model, w.role.value) for w in live).items():
             self.workers.labels(model, role).set(count)
         streams = sorted({keys.job_stream(w.model, w.role) for w in live})
         depths: list[Any] = []
         if streams:
-            async with state.redis.pipeline(transaction=False) as pipe:
+            async with redis.pipeline(transaction=False) as pipe:
                 for stream in streams:
                     pipe.xlen(stream)
                 depths = await pipe.execute()
-        self.queue_depth.clear()
         for stream, depth in zip(streams, depths, strict=True):
             self.queue_depth.labels(stream).set(int(depth))
 

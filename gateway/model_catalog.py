@@ -43,6 +43,11 @@ class ServedModel:
     """A LoRA adapter: its base model (``path`` is the adapter's folder); None: a model."""
 
     @property
+    def base(self) -> str:
+        """The model whose workers run it: itself, or an adapter's base model."""
+        return self.parent or self.name
+
+    @property
     def adapter(self) -> str | None:
         """The LoRA adapter a request for this name runs with (None: the base model)."""
         return self.name if self.parent is not None else None

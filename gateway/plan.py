@@ -85,6 +85,13 @@ class RequestPlan(Generic[W]):
     """What it costs against its key's limits (None: the key has none)."""
     adapter: str | None = None
     """The LoRA adapter it runs with (``model`` is the adapter's name then)."""
+    base_model: str | None = None
+    """The model whose workers (and Redis) serve it: ``model``, or the adapter's base."""
+
+    @property
+    def served_by(self) -> str:
+        """The base model: the one whose Redis and workers take the request."""
+        return self.base_model or self.model
 
 
 AnyPlan = RequestPlan[Generation] | RequestPlan[Embedding]

@@ -110,7 +110,7 @@ async def embeddings(
     state: GatewayState, body: EmbeddingRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan = await plan_embeddings(state, body, headers)
-    handle = await state.dispatcher.submit(plan)
+    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
     async with handle:
         result = await unless_disconnected(collect_embeddings(handle, body, plan.model), receive)
     return _json_answer(result, handle)
@@ -133,7 +133,7 @@ async def plan_chat(
     )
     tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
-    images = await state.images.load(parts, deadline)
+    images = await state.images.load(parts, deadline, state.cells.for_model(model.base).images)
     work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
     plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
     return plan, tool_plan.parser
@@ -205,6 +205,7 @@ def _plan(
         idempotency_key,
         principal.key_id,
         adapter=model.adapter,
+        base_model=model.base,
     )
     if principal.key_id is None or not principal.limits.any():
         return plan
@@ -225,7 +226,7 @@ async def _generate(
     receive: Receive,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
-    handle = await state.dispatcher.submit(plan)
+    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
     if body.stream:
         events = stream_events(
             handle,

@@ -8,15 +8,12 @@ from typing import Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
-from gateway.adapter_watch import AdapterWatch
 from gateway.control.plane import ControlPlane
-from gateway.dispatch import Dispatcher
 from gateway.image_inputs import ImageInputs
 from gateway.metrics import GatewayMetrics
 from gateway.model_catalog import ModelCatalog
+from gateway.redis_cells import RedisCells
 from gateway.translate import UnknownFieldLog
-from gateway.worker_directory import WorkerDirectory
-from shared.reply_stream import ReplyRouter
 from shared.settings import GatewaySettings
 
 
@@ -25,14 +22,14 @@ class GatewayState:
     settings: GatewaySettings
     gateway_id: str
     redis: aioredis.Redis
+    """The home Redis (CONVEYOR_REDIS_URL): the control plane, and every model without
+    its own Redis. A request's Redis is its model's cell: ``cells.for_model(...)``."""
     catalog: ModelCatalog
-    directory: WorkerDirectory
-    router: ReplyRouter
-    dispatcher: Dispatcher
+    cells: RedisCells
+    """One per Redis: reply stream + router, worker directory, dispatcher, images, the
+    adapter watch (gateway/redis_cells.py)."""
     unknown_fields: UnknownFieldLog
     images: ImageInputs
-    adapters: AdapterWatch
-    """Keeps ``catalog``'s LoRA adapters equal to the published desired state."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False
     control: ControlPlane | None = None

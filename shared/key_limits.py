@@ -51,7 +51,8 @@ class LimitKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Per-key limits, fleet-wide; None means unlimited."""
+    """Per-key limits, fleet-wide (per Redis when models have their own: README "More than
+    one Redis"); None means unlimited."""
 
     rpm: int | None = None
     tpm: int | None = None

@@ -18,9 +18,10 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.model_redis import parse_model_redis_urls
 from shared.roles import Role
 
 __all__ = [
@@ -277,6 +278,22 @@ class GatewaySettings(ImageSettings):
         30.0,
         description="How long /admin/workers/{id}/... waits for the worker's answer (504).",
     )
+    model_redis_urls: str = Field(
+        "",
+        description="Models that live on their own Redis: `model=redis://host:port/db` "
+        "entries, comma-separated (each model's workers get that URL as their "
+        "CONVEYOR_REDIS_URL). Models not listed, and the control plane, use CONVEYOR_REDIS_URL.",
+    )
+
+    @field_validator("model_redis_urls")
+    @classmethod
+    def _check_model_redis_urls(cls, value: str) -> str:
+        parse_model_redis_urls(value)
+        return value
+
+    def model_redis_map(self) -> dict[str, str]:
+        """CONVEYOR_MODEL_REDIS_URLS as {model: url} (shared/model_redis.py)."""
+        return parse_model_redis_urls(self.model_redis_urls)
 
 
 class WorkerSettings(ImageSettings):

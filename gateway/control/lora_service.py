@@ -83,25 +83,29 @@ class LoraService:
         *,
         bases: Callable[[], Iterable[str]],
         load_timeout_s: float,
+        redis_for: Callable[[str], aioredis.Redis] | None = None,
     ) -> None:
+        """``redis`` holds the adapter locks; ``redis_for(base_model)`` the Redis of a base
+        model's workers, where its desired state is published (default ``redis``)."""
         self._sessions = sessions
         self._redis = redis
+        self._redis_for: Callable[[str], aioredis.Redis] = redis_for or (lambda base: redis)
         self._bases = bases
         """The generation models served here: the base models adapters may name."""
         self._load_timeout_s = load_timeout_s
-        self._registry = WorkerRegistry(redis, ttl_s=1.0)
 
     # ------------------------------------------------------------------ publishing
 
     async def publish(self, base_model: str) -> int:
         """Publish ``base_model``'s registered adapters (from SQL) as the desired state;
         returns its generation. Raises RedisError."""
-        async with self._redis.lock(
+        redis = self._redis_for(base_model)
+        async with redis.lock(
             keys.adapters_publish_lock(base_model), timeout=PUBLISH_LOCK_S, blocking_timeout=30
         ):
             async with transaction(self._sessions) as session:
                 rows = await lora_repo.of_base(session, base_model)
-            return await publish_desired(self._redis, base_model, [spec_of(r) for r in rows])
+            return await publish_desired(redis, base_model, [spec_of(r) for r in rows])
 
     async def publish_all(self) -> None:
         """Every base model's desired state from SQL (start-up: a restarted gateway, or a
@@ -176,11 +180,19 @@ class LoraService:
     async def list_registered(self) -> list[Registered]:
         async with transaction(self._sessions) as session:
             rows = await lora_repo.list_all(session)
-        workers = await self._registry.live_workers()
+        workers = {base: await self._live_workers(base) for base in {r.base_model for r in rows}}
         return [
-            Registered(spec_of(row), row.created_at, _states(workers, row.name, row.base_model))
+            Registered(
+                spec_of(row),
+                row.created_at,
+                _states(workers[row.base_model], row.name, row.base_model),
+            )
             for row in rows
         ]
+
+    async def _live_workers(self, base_model: str) -> list[WorkerRegistration]:
+        """The live workers of the Redis ``base_model`` lives on. Raises RedisError."""
+        return await WorkerRegistry(self._redis_for(base_model), ttl_s=1.0).live_workers()
 
     # ------------------------------------------------------------------ steps
 
@@ -226,7 +238,7 @@ class LoraService:
 
     async def _workers_of(self, base_model: str) -> list[WorkerRegistration]:
         try:
-            workers = await self._registry.live_workers()
+            workers = await self._live_workers(base_model)
         except RedisError as exc:
             raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
         return [w for w in workers if w.model == base_model and w.role is SERVING_ROLE]
@@ -239,7 +251,7 @@ class LoraService:
         try:
             generation = await self.publish(spec.base_model)
             state = await wait_for_rollout(
-                self._redis,
+                self._redis_for(spec.base_model),
                 base_model=spec.base_model,
                 adapter=spec.name,
                 generation=generation,

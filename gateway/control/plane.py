@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -49,27 +49,45 @@ class ControlPlane:
         gateway_id: str,
         *,
         bases: Callable[[], Iterable[str]] = tuple,
+        cells: Sequence[aioredis.Redis] = (),
+        redis_for: Callable[[str], aioredis.Redis] | None = None,
     ) -> None:
+        """``redis`` is the home Redis; ``cells`` the other Redis a sharded gateway uses
+        (each has its own usage stream and open requests: a ledger consumer and an orphan
+        sweep each); ``redis_for`` a base model's Redis (its LoRA desired state)."""
         self.settings = settings
         self.embedded = settings.database_is_embedded()
         self.database: Database = open_database(settings.database_url_or_default())
         self.keys = KeyCache(self.database.sessions, redis, admin_secret=settings.admin_secret())
         self.key_service = KeyService(self.database.sessions, redis, on_change=self.keys.reload)
         self.ledger = LedgerConsumer(redis, self.database.sessions, gateway_id)
-        self.orphan_usage = OrphanUsageSweep(
-            redis, gateway_id, GatewayWatch(redis, grace_s=settings.gateway_liveness_ttl_s)
-        )
+        self.orphan_usage = self._sweep(redis, gateway_id)
+        self.cell_usage = [self._usage_of(cell, gateway_id) for cell in cells]
+        """Per other Redis: its ledger consumer and orphan-usage sweep."""
         self.lora = LoraService(
             self.database.sessions,
             redis,
             bases=bases,
             load_timeout_s=settings.lora_load_timeout_s,
+            redis_for=redis_for,
         )
         self.schema: SchemaStatus | None = None
         """The last schema version read (None: never read)."""
         self.schema_error: str | None = None
         self._redis = redis
+        self._cells = list(cells)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _usage_of(
+        self, redis: aioredis.Redis, gateway_id: str
+    ) -> tuple[LedgerConsumer, OrphanUsageSweep]:
+        return LedgerConsumer(redis, self.database.sessions, gateway_id), self._sweep(
+            redis, gateway_id
+        )
+
+    def _sweep(self, redis: aioredis.Redis, gateway_id: str) -> OrphanUsageSweep:
+        grace_s = self.settings.gateway_liveness_ttl_s
+        return OrphanUsageSweep(redis, gateway_id, GatewayWatch(redis, grace_s=grace_s))
 
     @property
     def schema_at_head(self) -> bool:
@@ -101,6 +119,11 @@ class ControlPlane:
                 name="ledger-retention",
             ),
         ]
+        for index, (ledger, sweep) in enumerate(self.cell_usage, start=1):
+            self._tasks += [
+                asyncio.create_task(ledger.run(), name=f"ledger-consumer[{index}]"),
+                asyncio.create_task(sweep.run(), name=f"orphan-usage[{index}]"),
+            ]
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
@@ -171,17 +194,32 @@ class ControlPlane:
             },
         }
 
+    def ledgers(self) -> list[LedgerConsumer]:
+        """Every ledger consumer: the home Redis's, then one per other Redis."""
+        return [self.ledger, *(ledger for ledger, _ in self.cell_usage)]
+
+    def orphan_rows(self) -> int:
+        sweeps = [self.orphan_usage, *(sweep for _, sweep in self.cell_usage)]
+        return sum(sweep.rows_written for sweep in sweeps)
+
+    async def backlog(self) -> int:
+        """Usage rows waiting in every Redis's usage stream. Raises RedisError."""
+        total = await backlog(self._redis)
+        for cell in self._cells:
+            total += await backlog(cell)
+        return total
+
     async def _ledger_report(self) -> dict[str, Any]:
-        status = self.ledger.status
+        statuses = [ledger.status for ledger in self.ledgers()]
         try:
-            pending: int | None = await backlog(self._redis)
+            pending: int | None = await self.backlog()
         except RedisError:
             pending = None
         return {
-            "db_ok": status.db_ok,
+            "db_ok": all(status.db_ok for status in statuses),
             "backlog": pending,
-            "rows_written": status.rows_written,
-            "duplicates_skipped": status.duplicates_skipped,
-            "dead_lettered": status.dead_lettered,
-            "error": status.last_error,
+            "rows_written": sum(status.rows_written for status in statuses),
+            "duplicates_skipped": sum(status.duplicates_skipped for status in statuses),
+            "dead_lettered": sum(status.dead_lettered for status in statuses),
+            "error": next((status.last_error for status in statuses if status.last_error), None),
         }

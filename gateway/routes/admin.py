@@ -20,8 +20,9 @@ from gateway.control.records import BudgetPeriod, Limits, Scope, parse_scopes
 from gateway.control.times import parse_instant
 from gateway.control.usage_report import usage_report
 from gateway.db.usage_repo import GroupBy, UsageFilter
-from gateway.state import StateDep
+from gateway.state import GatewayState, StateDep
 from shared.errors import DatabaseUnavailable, InvalidRequest
+from shared.roles import Role
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_scope(Scope.ADMIN))])
 
@@ -148,14 +149,25 @@ async def admin_state(state: StateDep) -> dict[str, Any]:
     body: dict[str, Any] = {
         "gateway_id": state.gateway_id,
         "draining": state.draining,
-        "open_requests": state.router.open_requests(),
-        "workers": [w.worker_id for w in state.directory.all()],
-        "pools": state.directory.pools(),
+        "open_requests": state.cells.open_requests(),
+        "workers": sorted(w.worker_id for c in state.cells.all() for w in c.directory.all()),
+        "pools": _pools(state),
     }
     if state.control is not None:
         _, body["control"] = await state.control.readiness()
         body["control"]["database"]["url"] = state.control.database.url
     return body
+
+
+def _pools(state: GatewayState) -> dict[str, dict[Role, int]]:
+    """Live workers per model and role, each model from its own Redis's registry."""
+    pools: dict[str, dict[Role, int]] = {}
+    for cell in state.cells.all():
+        for model, roles in cell.directory.pools().items():
+            merged = pools.setdefault(model, {})
+            for role, count in roles.items():
+                merged[role] = merged.get(role, 0) + count
+    return pools
 
 
 def _group_by(value: str | None) -> GroupBy | None:

@@ -21,22 +21,27 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(state: StateDep) -> JSONResponse:
-    """Redis answers, a live, non-draining worker serves every configured model, and the
+    """Every Redis the gateway uses answers (the home one and each model's own), a live,
+    non-draining worker serves every configured model (on its own Redis), and the
     database schema is at head (keys loaded, when auth is on). A database outage after
     that is reported (``control``) but does not fail readiness: known keys keep working
     and usage rows wait in Redis."""
     problems: list[str] = []
-    try:
-        await state.redis.ping()
-    except RedisError as exc:
-        problems.append(f"redis unreachable: {exc}")
+    for cell in state.cells.all():
+        try:
+            await cell.redis.ping()
+        except RedisError as exc:
+            where = "" if not state.cells.sharded else f" ({cell.name})"
+            problems.append(f"redis{where} unreachable: {exc}")
     if state.draining:
         problems.append("gateway is shutting down")
     models: dict[str, Any] = {}
     for model in state.catalog.all():
-        workers = state.directory.serving(model.name)
-        models[model.name] = {"workers": len(workers)}
-        if not state.directory.answers(model.name, model.kind.value):
+        cell = state.cells.for_model(model.name)
+        models[model.name] = {"workers": len(cell.directory.serving(model.name))}
+        if state.cells.sharded:
+            models[model.name]["redis"] = cell.name
+        if not cell.directory.answers(model.name, model.kind.value):
             problems.append(f"no live worker serves {model.name}")
     body: dict[str, Any] = {"ready": not problems, "problems": problems, "models": models}
     if state.control is not None:

@@ -124,8 +124,9 @@ def _base(state: GatewayState, base_model: str | None) -> str:
 async def _refresh(state: GatewayState) -> None:
     """This gateway sees the change now: its catalog, and which workers loaded what."""
     try:
-        await state.adapters.refresh()
-        await state.directory.refresh()
+        for cell in state.cells.all():
+            await cell.adapters.refresh()
+            await cell.directory.refresh()
     except RedisError as exc:  # both catch up on their next poll
         log.warning("refreshing the adapter catalog failed: %s", exc)
 

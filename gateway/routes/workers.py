@@ -1,6 +1,6 @@
 """Worker admin routes: ``GET /admin/workers`` and ``POST /admin/workers/{id}/<command>``
 (drain, resume, clear-kv, sleep, wake) over the worker command channel
-(:mod:`shared.worker_commands`). ``admin`` scope.
+(:mod:`shared.worker_commands`) of the worker's own Redis. ``admin`` scope.
 
 A worker's answer becomes: ``ok`` 200; ``not_supported`` 501 with the engine's reason
 (vLLM on CPU has no sleep mode: never faked); ``failed`` 500; an unknown worker 404; no
@@ -36,7 +36,11 @@ MAX_WORKER_ID_CHARS = 256
 @router.get("")
 async def list_workers(state: StateDep) -> dict[str, Any]:
     """Every live worker's registry entry (adapters: loaded/loading/failed with reason)."""
-    workers = await WorkerRegistry(state.redis, ttl_s=1.0).live_workers()
+    workers = [
+        worker
+        for cell in state.cells.all()
+        for worker in await WorkerRegistry(cell.redis, ttl_s=1.0).live_workers()
+    ]
     ordered = sorted(workers, key=lambda w: w.worker_id)
     return {"object": "list", "data": [msgspec.to_builtins(w) for w in ordered]}
 
@@ -47,7 +51,10 @@ async def worker_command(worker_id: str, command: str, state: StateDep) -> dict[
     if len(worker_id) > MAX_WORKER_ID_CHARS:
         raise WorkerNotFound(f"no live worker {worker_id[:64]!r}...", param="worker_id")
     result = await send_worker_command(
-        state.redis, worker_id, kind, state.settings.worker_command_timeout_s
+        state.cells.of_worker(worker_id).redis,
+        worker_id,
+        kind,
+        state.settings.worker_command_timeout_s,
     )
     _raise_unless_ok(result)
     return {"worker_id": worker_id, "command": kind.value, "status": "ok", "detail": result.detail}

@@ -35,6 +35,18 @@ class _Directory:
         return {}
 
 
+class _Cells:
+    """One cell with no workers and no open requests (gateway/redis_cells.py)."""
+
+    sharded = False
+
+    def all(self) -> list[Any]:
+        return [SimpleNamespace(name="home", redis=FakeRedis(), directory=_Directory())]
+
+    def open_requests(self) -> int:
+        return 0
+
+
 @pytest.fixture
 async def plane_factory(sql_target: SqlTarget, database: Database) -> AsyncIterator[Any]:
     planes: list[ControlPlane] = []
@@ -51,8 +63,7 @@ async def plane_factory(sql_target: SqlTarget, database: Database) -> AsyncItera
             gateway_id="gw-test",
             draining=False,
             redis=FakeRedis(),
-            router=SimpleNamespace(open_requests=lambda: 0),
-            directory=_Directory(),
+            cells=_Cells(),
             catalog=SimpleNamespace(all=lambda: []),
         )
         transport = httpx.ASGITransport(app=app)

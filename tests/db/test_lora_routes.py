@@ -56,7 +56,7 @@ def live_bases(live: LiveGateway) -> Any:
 async def worker(gateway: LiveGateway) -> AsyncIterator[FakeAdapterWorker]:
     fake = FakeAdapterWorker(gateway.redis, "tiny")
     await fake.start()
-    await gateway.state.directory.refresh()
+    await gateway.state.cells.home.directory.refresh()
     try:
         yield fake
     finally:
@@ -112,7 +112,7 @@ async def test_an_adapter_is_loaded_listed_and_served_on_its_own_stream(
     assert (await gateway.client.get("/v1/models/a1", headers=ADMIN)).json()["root"] == str(
         adapter_dir
     )
-    await gateway.state.directory.refresh()
+    await gateway.state.cells.home.directory.refresh()
     answered = await chat(gateway, "a1")
     assert answered.status_code == 200, answered.text
     assert answered.json()["model"] == "a1"
@@ -222,7 +222,7 @@ async def test_admin_scope_and_model_allow_lists(
     gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
-    await gateway.state.directory.refresh()
+    await gateway.state.cells.home.directory.refresh()
     control = gateway.state.control
     assert control is not None
     only_a1 = await control.key_service.create(
@@ -269,8 +269,8 @@ async def test_the_registry_survives_a_gateway_restart_and_a_redis_that_lost_it(
     finally:
         await restarted.stop()
     await forget_desired_state(gateway)  # and once more, while this gateway runs: the watch
-    gateway.state.adapters.republish = restarted.lora.publish
-    await gateway.state.adapters.refresh()
+    gateway.state.cells.home.adapters.republish = restarted.lora.publish
+    await gateway.state.cells.home.adapters.refresh()
     desired = await read_desired(gateway.redis, "tiny")
     assert desired is not None and list(desired.specs) == ["a1"]
 
@@ -282,7 +282,7 @@ async def test_an_adapter_not_loaded_anywhere_is_a_503(
     worker.frozen = True
     worker.report = {"a1": "unloading"}
     await worker.sync()
-    await gateway.state.directory.refresh()
+    await gateway.state.cells.home.directory.refresh()
     response = await chat(gateway, "a1")
     assert error_of(response, 503)["code"] == "no_live_worker"
     assert await gateway.redis.xlen(adapter_stream("a1")) == 0

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 
 from conveyor.cli import build_parser
 from conveyor.env_example import COMPOSE_VARIABLES
@@ -33,6 +34,7 @@ from tests.deploy.compose_model import (
     services,
 )
 
+REDIS_2_OVERRIDE = ROOT / "compose.redis-2.yaml"
 SETTING_VARIABLES = {f"CONVEYOR_{name.upper()}" for name in Settings.model_fields}
 SET_BY_COMMAND_OR_UP = {"CONVEYOR_ROLE", "CONVEYOR_MODE", "CONVEYOR_WORKERS", "CONVEYOR_LORA_DEMO"}
 """Not in the shared environment: the role is each worker's flag; mode, workers and the
@@ -94,8 +96,9 @@ def test_gateway_healthcheck_hits_the_ready_route_on_its_port() -> None:
     assert gateway["ports"] == ["${GATEWAY_PUBLISH:-127.0.0.1:8000}:" + str(url.port)]
 
 
-def test_redis_is_durable_and_never_evicts() -> None:
-    redis = services()["redis"]
+@pytest.mark.parametrize("name", ["redis", "redis-2"])
+def test_redis_is_durable_and_never_evicts(name: str) -> None:
+    redis = services()[name]
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
@@ -219,6 +222,22 @@ def _compose_binary() -> list[str] | None:
     return ["docker", "compose"] if shutil.which("docker") and probe.returncode == 0 else None
 
 
+def test_the_redis_2_override_moves_only_the_embedding_workers() -> None:
+    """compose.redis-2.yaml: the embedding workers' Redis is redis-2 (a profile of
+    compose.yaml); the gateway waits for it; no other service changes."""
+    override = yaml.safe_load(REDIS_2_OVERRIDE.read_text())["services"]
+    assert set(override) == {"embed", "embed-cpu", "gateway"}
+    for name in ("embed", "embed-cpu"):
+        assert override[name]["environment"] == {"CONVEYOR_REDIS_URL": "redis://redis-2:6379/0"}
+        assert _role(services()[name]) is Role.EMBED
+    for spec in override.values():
+        assert spec["depends_on"] == {"redis-2": {"condition": "service_healthy"}}
+    assert services()["redis-2"]["profiles"] == ["redis-2"]
+    assert "CONVEYOR_MODEL_REDIS_URLS=all-MiniLM-L6-v2=redis://redis-2:6379/0" in (
+        REDIS_2_OVERRIDE.read_text()
+    )
+
+
 def test_docker_compose_config_accepts_the_file() -> None:
     binary = _compose_binary()
     if binary is None:
@@ -227,7 +246,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
             pytest.fail(f"CI=true: {reason}", pytrace=False)
         pytest.skip(reason)
     result = subprocess.run(
-        [*binary, "-f", str(COMPOSE_FILE), "config", "-q"],
+        [*binary, "-f", str(COMPOSE_FILE), "-f", str(REDIS_2_OVERRIDE), "config", "-q"],
         capture_output=True,
         text=True,
         cwd=ROOT,

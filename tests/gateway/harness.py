@@ -36,6 +36,7 @@ from gateway.app import build_app, build_state
 from gateway.model_catalog import ModelCatalog, ModelKind, ServedModel
 from gateway.state import GatewayState
 from shared.liveness import WorkerRegistration, WorkerRegistry
+from shared.model_redis import ModelRedis
 from shared.roles import Role
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
@@ -77,14 +78,17 @@ def gateway_state(
     settings: GatewaySettings,
     redis: FakeRedis,
     more_models: Sequence[ServedModel] = (),
+    model_redis: ModelRedis | None = None,
 ) -> GatewayState:
     catalog = ModelCatalog([generate, embed_model_like(generate), *more_models])
-    return build_state(settings, redis, catalog, "gw-test")
+    return build_state(settings, redis, catalog, "gw-test", model_redis=model_redis)
 
 
 async def register(state: GatewayState, role: Role, model: str, *, slots: int = 8) -> None:
-    """A live worker of ``role`` for ``model`` in the registry, seen by the directory now."""
-    registry = WorkerRegistry(state.redis, ttl_s=state.settings.heartbeat_ttl_s)
+    """A live worker of ``role`` for ``model`` in the registry of the model's Redis, seen
+    by that cell's directory now."""
+    cell = state.cells.for_model(model)
+    registry = WorkerRegistry(cell.redis, ttl_s=state.settings.heartbeat_ttl_s)
     await registry.beat(
         WorkerRegistration(
             worker_id=f"{role}-test-{model}-x",
@@ -95,7 +99,7 @@ async def register(state: GatewayState, role: Role, model: str, *, slots: int = 
             slots=slots,
         )
     )
-    await state.directory.refresh()
+    await cell.directory.refresh()
 
 
 # ------------------------------------------------------------------ synchronous tests
@@ -172,7 +176,7 @@ class LiveGateway:
     async def add_worker(
         self, role: Role = Role.AGGREGATED, model: str = "tiny", script: Script = echo
     ) -> FakeWorker:
-        worker = FakeWorker(self.redis, model, role, script)
+        worker = FakeWorker(self.state.cells.for_model(model).redis, model, role, script)
         await worker.start()
         self.workers.append(worker)
         await register(self.state, role, model)
@@ -190,15 +194,21 @@ async def live_gateway(
     *,
     workers: Sequence[tuple[Role, str]] = ((Role.AGGREGATED, "tiny"), (Role.EMBED, EMBED_MODEL)),
     more_models: Sequence[ServedModel] = (),
+    model_redis: ModelRedis | None = None,
     **settings_fields: Any,
 ) -> AsyncIterator[LiveGateway]:
     """The gateway with a fake worker (echo script) per ``(role, model)`` of ``workers``;
-    ``more_models`` join the catalog."""
+    ``more_models`` join the catalog; ``model_redis``: several (fake) Redis, one cell each
+    (default: one fake Redis)."""
     settings = gateway_settings(**settings_fields)
-    state = gateway_state(generate, settings, FakeRedis(), more_models)
+    home = model_redis.home if model_redis is not None else FakeRedis()
+    state = gateway_state(generate, settings, home, more_models, model_redis)
     app = build_app(settings, None)
     app.state.gateway = state
-    router = asyncio.create_task(state.router.run(), name="reply-router")
+    routers = [
+        asyncio.create_task(cell.router.run(), name=f"reply-router[{cell.name}]")
+        for cell in state.cells.all()
+    ]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         gateway = LiveGateway(app, state, client)
@@ -207,7 +217,11 @@ async def live_gateway(
                 await gateway.add_worker(role, model)
             yield gateway
         finally:
-            await cancel_and_wait([router, *(w.task for w in gateway.workers if w.task)])
-            await state.dispatcher.wait_background()
+            await cancel_and_wait([*routers, *(w.task for w in gateway.workers if w.task)])
+            for worker in gateway.workers:  # one that died with its Redis: seen, not logged at GC
+                if worker.task is not None and not worker.task.cancelled():
+                    worker.task.exception()
+            await state.cells.wait_background()
             await state.images.aclose()
-            await state.redis.aclose()
+            for cell in state.cells.all():
+                await cell.redis.aclose()

@@ -269,7 +269,7 @@ async def test_a_silent_worker_ends_in_a_504_and_a_cancel(gateway: LiveGateway) 
     assert error_of(response, 504)["code"] == "deadline_exceeded"
     [job] = gateway.workers[0].generate_jobs()
     assert job.deadline_unix - job.created_unix == pytest.approx(0.2)
-    await gateway.state.dispatcher.wait_background()
+    await gateway.state.cells.wait_background()
     assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
 
 
@@ -293,7 +293,7 @@ async def test_losing_the_reply_stream_ends_a_stream_with_a_503_event(
     async with gateway.call(CHAT, chat(**STREAM)) as call:
         assert await call.start() == 200
         await call.read_until(": keep-alive")  # the job is queued; nothing came back yet
-        gateway.state.router.interrupt_all("lost contact with Redis for 9s; retry")
+        gateway.state.cells.home.router.interrupt_all("lost contact with Redis for 9s; retry")
         *_, failure, done = events(await call.read_all())
     assert failure.data["error"]["code"] == "backend_unavailable"
     assert "lost contact with Redis" in failure.data["error"]["message"]

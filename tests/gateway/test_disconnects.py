@@ -87,6 +87,6 @@ async def test_a_stream_that_ends_normally_sends_no_cancel(
 ) -> None:
     response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "stream": True})
     assert response.text.endswith("data: [DONE]\n\n")
-    await gateway.state.dispatcher.wait_background()
+    await gateway.state.cells.wait_background()
     assert await control.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
     assert await gateway.redis.get(keys.cancel_flag(response.headers["x-request-id"])) is None
