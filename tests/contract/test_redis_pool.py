@@ -33,18 +33,22 @@ async def test_a_burst_larger_than_the_pool_queues_and_every_command_succeeds(
     small_pool: BoundedConnectionPool,
 ) -> None:
     client = aioredis.Redis.from_pool(small_pool)
-    most_in_use = 0
+    most_in_use = most_waiting = 0
 
-    async def hold_briefly(n: int) -> object:
-        nonlocal most_in_use
+    async def one(n: int) -> object:
+        nonlocal most_in_use, most_waiting
+        result = await client.incr("conveyor:test:pool:count")
         most_in_use = max(most_in_use, len(small_pool._in_use_connections))
-        return await client.blpop([f"conveyor:test:pool:{n}"], timeout=0.01)
+        most_waiting = max(most_waiting, small_pool.waiting())
+        return result
 
-    results = await asyncio.gather(*(hold_briefly(n) for n in range(200)))
-    assert results == [None] * 200
+    results = await asyncio.gather(*(one(n) for n in range(200)))
+    assert sorted(results) == list(range(1, 201))  # type: ignore[type-var]
     assert most_in_use <= 4
+    assert most_waiting > 0  # the burst did queue
     assert len(small_pool._in_use_connections) == 0
     assert small_pool.waiting() == 0
+    await client.delete("conveyor:test:pool:count")
 
 
 async def test_a_command_that_finds_every_connection_busy_for_too_long_fails_cleanly() -> None:
