@@ -32,6 +32,7 @@ from gateway.db import schema
 from gateway.db.engine import Database, open_database
 from gateway.db.usage_repo import GroupBy, UsageFilter
 from shared.errors import ConveyorError, InvalidRequest
+from shared.redis_url import async_client
 from shared.settings import Settings
 
 ADMIN_COMMANDS = {
@@ -227,7 +228,7 @@ async def open_control(
     Redis client for announcing key changes."""
     database = open_database(settings.database_url_or_default())
     redis = (
-        aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+        async_client(settings.redis_url, timeout_s=2.0, connect_timeout_s=1.0)
         if redis_needed
         else None
     )

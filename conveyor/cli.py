@@ -194,7 +194,6 @@ def run_up(settings: Settings) -> int:
         return 2
     redis_process = None
     if not redis_answers(settings.redis_url):
-        log.info("no Redis answers at %s; starting a private one", settings.redis_url)
         redis_process = start_private_redis(settings.redis_url, settings.data_dir)
     if settings.model is None:
         from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model

@@ -1,4 +1,8 @@
-"""Use the Redis at CONVEYOR_REDIS_URL, or start a private, durable redis-server there."""
+"""Use the Redis at CONVEYOR_REDIS_URL, or start a private, durable redis-server there.
+
+Only a plain ``redis://`` URL gets a private server: a ``redis+sentinel://`` URL names
+Sentinels and the master they watch, which an operator runs (README "Several hosts").
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import redis
 from redis.exceptions import RedisError
+
+from shared.redis_url import is_sentinel_url, parse_sentinel_url, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +32,7 @@ DURABLE_OPTIONS = [
 
 def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
     try:
-        client = redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
+        client = sync_client(url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -40,6 +43,13 @@ def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
 
 def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
     """Start redis-server on the URL's host and port; raise if it cannot start."""
+    if is_sentinel_url(url):
+        raise RuntimeError(
+            f"no Redis master answers through the Sentinels of {parse_sentinel_url(url)}; "
+            "`conveyor up` starts a private Redis for a redis:// URL only: start the "
+            "Sentinels and the master they watch first"
+        )
+    log.info("no Redis answers at %s; starting a private one", url)
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(

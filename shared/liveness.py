@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
-import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
+from shared.redis_url import sync_client
 from shared.roles import Role
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def forget_dead_process(redis_url: str, pid: int, host: str | None = None) -> li
     import socket
 
     marker = f"-{host or socket.gethostname()}-{pid}-"
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = sync_client(redis_url, timeout_s=2.0, connect_timeout_s=2.0)
     try:
         dead = [
             key
@@ -165,9 +165,8 @@ class HeartbeatThread:
         *,
         loop_stall_limit_s: float = 10.0,
     ) -> None:
-        self._client = redis.Redis.from_url(
-            redis_url, socket_timeout=max(ttl_s, 1.0), socket_connect_timeout=max(ttl_s, 1.0)
-        )
+        timeout_s = max(ttl_s, 1.0)
+        self._client = sync_client(redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
         self._key = key
         self._ttl_ms = int(ttl_s * 1000)
         self._interval_s = ttl_s / 4
