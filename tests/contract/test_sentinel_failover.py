@@ -1,0 +1,120 @@
+"""Redis Sentinel fail-over against real ``redis-server`` and ``redis-sentinel`` processes
+(tests/support/sentinel.py): Conveyor's clients, opened on a ``redis+sentinel://`` URL,
+work again on the promoted replica after the master is SIGKILLed.
+
+Fail-over time as Conveyor sees it (SIGKILL to the first command that succeeds) is
+printed; README "Several hosts" quotes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.exceptions import RedisError
+
+from conveyor.redis_server import redis_answers, start_private_redis
+from shared import keys
+from shared.job_queue import Admission, JobQueue
+from shared.liveness import HeartbeatThread, forget_dead_process
+from shared.redis_conn import connect, db_of
+from tests.contract.test_job_queue import JOBS, STREAM, make_job
+from tests.support.sentinel import SentinelGroup
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAILOVER_BOUND_S = 15.0
+"""down-after 500 ms + a Sentinel election (+ a retry after a split vote) with room."""
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[SentinelGroup]:
+    started = SentinelGroup(tmp_path, db=2)
+    try:
+        started.start()
+        yield started
+    finally:
+        started.stop()
+
+
+async def test_the_job_queue_admits_again_on_the_promoted_replica(group: SentinelGroup) -> None:
+    client = connect(group.url)
+    try:
+        assert db_of(client) == 2
+        queue = JobQueue(client)
+        await queue.ensure_group(STREAM)
+        first = await queue.submit(STREAM, [make_job("before")], max_depth=10)
+        assert first.outcome is Admission.QUEUED
+        group.wait_replicated()
+        killed = group.kill_master()
+        killed_at = time.monotonic()
+        while True:  # what a gateway's retries see: errors, then admission again
+            try:
+                second = await queue.submit(STREAM, [make_job("after")], max_depth=10)
+                break
+            except RedisError:
+                assert time.monotonic() - killed_at < FAILOVER_BOUND_S, "no fail-over"
+                await asyncio.sleep(0.05)
+        print(f"\nasync client: fail-over seen in {time.monotonic() - killed_at:.2f}s")
+        assert second.outcome is Admission.QUEUED
+        assert group.master_address()[1] == group.replica_port != killed
+        deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
+        assert [d.job.request_id for d in deliveries] == ["before", "after"]
+    finally:
+        await client.aclose()
+
+
+async def test_the_heartbeat_thread_beats_again_on_the_promoted_replica(
+    group: SentinelGroup,
+) -> None:
+    key = keys.worker_heartbeat("aggregated-host-1-abc")
+    heartbeat = HeartbeatThread(group.url, key, ttl_s=1.0, payload=lambda: b"{}")
+    task = asyncio.create_task(heartbeat.run())
+    try:
+        await _wait_for(lambda: heartbeat.beats > 0, "a first beat")
+        group.kill_master()
+        killed_at, beats = time.monotonic(), heartbeat.beats
+        await _wait_for(lambda: heartbeat.beats > beats + 1, "beats after the fail-over")
+        print(f"\nheartbeat thread: beating again {time.monotonic() - killed_at:.2f}s after")
+        promoted = redis.Redis(port=group.replica_port, db=2)
+        try:
+            assert promoted.get(key) == b"{}"
+            assert promoted.pttl(key) > 0
+        finally:
+            promoted.close()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _wait_for(condition: object, what: str) -> None:
+    assert callable(condition)
+    deadline = time.monotonic() + FAILOVER_BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} in {FAILOVER_BOUND_S}s"
+        await asyncio.sleep(0.05)
+
+
+def test_the_supervisor_forgets_a_dead_worker_through_the_sentinels(group: SentinelGroup) -> None:
+    client = redis.Redis(port=group.master_port, db=2)
+    try:
+        client.set(keys.worker_heartbeat("aggregated-hostx-42-abc"), b"{}", ex=60)
+        client.set(keys.worker_heartbeat("aggregated-hostx-43-abc"), b"{}", ex=60)
+    finally:
+        client.close()
+    assert forget_dead_process(group.url, 42, host="hostx") == ["aggregated-hostx-42-abc"]
+
+
+def test_conveyor_up_uses_the_sentinels_master_and_never_starts_a_private_redis(
+    group: SentinelGroup, tmp_path: Path
+) -> None:
+    assert redis_answers(group.url)
+    group.stop()
+    assert not redis_answers(group.url, 0.2)
+    with pytest.raises(RuntimeError, match="through the Sentinels of redis\\+sentinel://"):
+        start_private_redis(group.url, tmp_path)
+    assert not (tmp_path / "redis").exists()
