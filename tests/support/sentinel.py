@@ -41,6 +41,8 @@ class SentinelGroup:
         default_factory=lambda: (free_port(), free_port(), free_port())
     )
     nodes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    killed_at: float | None = None
+    """When :meth:`kill_master` last killed one (``time.monotonic()``)."""
 
     @property
     def url(self) -> str:
@@ -128,6 +130,7 @@ class SentinelGroup:
         _, port = self.master_address()
         process = self.nodes[port]
         process.send_signal(signal.SIGKILL)
+        self.killed_at = time.monotonic()
         process.wait()
         return port
 
