@@ -44,8 +44,11 @@ RUN pip install -e ".[engine-gpu]" "nixl==1.5.1" "nixl-cu12==1.5.1"
 
 # ---- demo models: generated at build time, so an unconfigured stack answers ----
 FROM build-cpu AS demo-models
+# demo-lora: a random adapter for the text demo model (CONVEYOR_ENABLE_LORA=true, then
+# POST /admin/loras {"name": "demo-lora", "path": "/opt/conveyor/data/demo-lora"}).
 RUN conveyor demo-model /opt/conveyor/data/demo-model \
- && conveyor demo-model /opt/conveyor/data/demo-model-llava --kind llava
+ && conveyor demo-model /opt/conveyor/data/demo-model-llava --kind llava \
+ && conveyor demo-model /opt/conveyor/data/demo-lora --kind lora --base /opt/conveyor/data/demo-model
 
 # ---- final stages: no compilers, no pip cache, not root ----
 FROM ${PYTHON_IMAGE} AS runtime-base
