@@ -64,8 +64,10 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis holding the job streams and reply streams. `conveyor up` starts "
-        "a private redis-server when nothing answers here.",
+        description="Redis holding the job streams and reply streams. "
+        "`redis+sentinel://host:26379,host2:26379/<master name>/<db>`: the master Redis "
+        "Sentinel watches, followed through fail-overs. `conveyor up` starts a private "
+        "redis-server when nothing answers at a redis:// URL.",
     )
     model: str | None = Field(
         None,
