@@ -27,8 +27,11 @@ from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.retry
 import redis.asyncio.sentinel as aiosentinel
+import redis.retry
 import redis.sentinel
+from redis.backoff import NoBackoff
 
 __all__ = [
     "DEFAULT_SENTINEL_PORT",
@@ -62,7 +65,8 @@ class SentinelUrl:
         return {"db": self.db, "username": self.username, "password": self.password}
 
     def sentinel_kwargs(self, *, timeout_s: float, connect_timeout_s: float) -> dict[str, Any]:
-        """Connection arguments of the Sentinels themselves."""
+        """Connection arguments of the Sentinels themselves (no retries: redis-py asks the
+        next Sentinel instead; its default, 10 with backoff, made a dead group 12 s)."""
         return {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": connect_timeout_s,
@@ -193,11 +197,10 @@ def sync_client(url: str, *, timeout_s: float, connect_timeout_s: float) -> redi
             url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s
         )
     parsed = parse_sentinel_url(url)
+    kwargs = parsed.sentinel_kwargs(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+    kwargs["retry"] = redis.retry.Retry(NoBackoff(), 0)
     sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-        list(parsed.sentinels),
-        sentinel_kwargs=parsed.sentinel_kwargs(
-            timeout_s=timeout_s, connect_timeout_s=connect_timeout_s
-        ),
+        list(parsed.sentinels), sentinel_kwargs=kwargs
     )
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
         parsed.service_name,
@@ -233,5 +236,6 @@ def async_sentinel(
 ) -> aiosentinel.Sentinel:
     """The asyncio Sentinel client of ``parsed``'s Sentinels."""
     kwargs = parsed.sentinel_kwargs(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+    kwargs["retry"] = redis.asyncio.retry.Retry(NoBackoff(), 0)
     sentinels = list(parsed.sentinels)
     return aiosentinel.Sentinel(sentinels, sentinel_kwargs=kwargs)  # type: ignore[no-untyped-call]

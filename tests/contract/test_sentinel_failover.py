@@ -12,10 +12,11 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from conveyor.redis_server import redis_answers, start_private_redis
 from shared import keys
@@ -99,6 +100,84 @@ async def _wait_for(condition: object, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def test_the_pool_stays_bounded_and_blocking(group: SentinelGroup) -> None:
+    """More commands than connections wait for one (no "Too many connections")."""
+    client = connect(group.url, max_connections=2)
+    try:
+        replies = await asyncio.gather(*(client.xread({f"s{n}": "$"}, block=200) for n in range(6)))
+        assert replies == [[]] * 6
+        assert len(client.connection_pool._available_connections) <= 2  # type: ignore[attr-defined]
+    finally:
+        await client.aclose()
+
+
+async def test_a_write_the_replica_never_got_is_lost_in_the_fail_over(
+    group: SentinelGroup,
+) -> None:
+    """Replication is asynchronous (README "What a fail-over can lose"): a job the master
+    admitted while its replica was not reading is gone once that replica is promoted."""
+    client = connect(group.url)
+    try:
+        queue = JobQueue(client)
+        await queue.ensure_group(STREAM)
+        await queue.submit(STREAM, [make_job("replicated")], max_depth=10)
+        group.wait_replicated()
+        group.cut_replication()
+        lost = await queue.submit(STREAM, [make_job("lost")], max_depth=10)
+        assert lost.outcome is Admission.QUEUED  # acknowledged by the master
+        group.kill_master()
+        group.resume_replica()
+        deadline = time.monotonic() + FAILOVER_BOUND_S
+        while True:
+            try:
+                deliveries = await queue.read([JOBS], "c1", count=10, block_ms=100)
+                break
+            except RedisError:
+                assert time.monotonic() < deadline, "no fail-over"
+                await asyncio.sleep(0.05)
+        assert group.master_address()[1] == group.replica_port
+        assert [d.job.request_id for d in deliveries] == ["replicated"]
+    finally:
+        await client.aclose()
+
+
+async def test_min_replicas_to_write_refuses_what_a_fail_over_would_lose(
+    group: SentinelGroup,
+) -> None:
+    """The operator setting README asks for: a master that has not heard from a replica
+    for ``min-replicas-max-lag`` refuses writes (NOREPLICAS, a RedisError: the gateway's
+    503) instead of acknowledging a job no replica has."""
+    client = connect(group.url)
+    try:
+        queue = JobQueue(client)
+        await queue.ensure_group(STREAM)
+        master = redis.Redis(port=group.master_port)
+        master.config_set("min-replicas-to-write", 1)
+        master.config_set("min-replicas-max-lag", 1)
+        master.close()
+        group.cut_replication()
+        refused_after = time.monotonic()
+        while True:
+            try:
+                await queue.submit(STREAM, [make_job(uuid4().hex)], max_depth=100)
+            except ResponseError as exc:
+                assert "NOREPLICAS" in str(exc)
+                break
+            assert time.monotonic() - refused_after < 5, "the master kept taking writes"
+            await asyncio.sleep(0.1)
+        group.resume_replica()
+        deadline = time.monotonic() + FAILOVER_BOUND_S
+        while True:  # the replica reconnects: writes are taken again
+            try:
+                await queue.submit(STREAM, [make_job("after")], max_depth=100)
+                break
+            except ResponseError:
+                assert time.monotonic() < deadline, "writes never came back"
+                await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
+
+
 def test_the_supervisor_forgets_a_dead_worker_through_the_sentinels(group: SentinelGroup) -> None:
     client = redis.Redis(port=group.master_port, db=2)
     try:
@@ -114,7 +193,9 @@ def test_conveyor_up_uses_the_sentinels_master_and_never_starts_a_private_redis(
 ) -> None:
     assert redis_answers(group.url)
     group.stop()
+    asked_at = time.monotonic()
     assert not redis_answers(group.url, 0.2)
+    assert time.monotonic() - asked_at < 2  # no retries per Sentinel (they were 12 s)
     with pytest.raises(RuntimeError, match="through the Sentinels of redis\\+sentinel://"):
         start_private_redis(group.url, tmp_path)
     assert not (tmp_path / "redis").exists()

@@ -134,6 +134,20 @@ class SentinelGroup:
         process.wait()
         return port
 
+    def cut_replication(self) -> None:
+        """Stop the replica hearing from the master: SIGSTOP it (so it cannot reconnect),
+        then have the master drop its link (so nothing more is sent, not even into the
+        replica's socket buffer). The master keeps acknowledging writes."""
+        self.nodes[self.replica_port].send_signal(signal.SIGSTOP)
+        master = redis.Redis(port=self.master_address()[1], socket_timeout=1)
+        try:
+            master.client_kill_filter(_type="replica")
+        finally:
+            master.close()
+
+    def resume_replica(self) -> None:
+        self.nodes[self.replica_port].send_signal(signal.SIGCONT)
+
     def wait_replicated(self, timeout_s: float = 5) -> None:
         """The replica has every write the master took (the master's offset reached)."""
         master = redis.Redis(port=self.master_address()[1], socket_timeout=1)
