@@ -23,6 +23,7 @@ from shared import keys
 from shared.job_queue import Admission, JobQueue
 from shared.liveness import HeartbeatThread, forget_dead_process
 from shared.redis_conn import connect, db_of
+from shared.redis_url import async_client
 from tests.contract.test_job_queue import JOBS, STREAM, make_job
 from tests.support.sentinel import SentinelGroup
 
@@ -109,6 +110,11 @@ async def test_the_pool_stays_bounded_and_blocking(group: SentinelGroup) -> None
         assert len(client.connection_pool._available_connections) <= 2  # type: ignore[attr-defined]
     finally:
         await client.aclose()
+    cli = async_client(group.url, timeout_s=2.0, connect_timeout_s=1.0)  # the admin CLI's
+    try:
+        assert await cli.ping()
+    finally:
+        await cli.aclose()
 
 
 async def test_a_write_the_replica_never_got_is_lost_in_the_fail_over(
