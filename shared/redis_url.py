@@ -36,8 +36,10 @@ from redis.backoff import NoBackoff
 __all__ = [
     "DEFAULT_SENTINEL_PORT",
     "SCHEME",
+    "AsyncSentinelMaster",
     "SentinelUrl",
     "async_client",
+    "async_sentinel",
     "is_sentinel_url",
     "parse_sentinel_url",
     "sync_client",
