@@ -30,6 +30,7 @@ from shared import keys
 from shared.liveness import WorkerRegistry, keep_gateway_alive
 from shared.media_store import ImageStore
 from shared.model_redis import ModelRedis
+from shared.redis_url import is_sentinel_url, parse_sentinel_url
 from shared.reply_stream import ReplyRouter
 from shared.settings import GatewaySettings
 from shared.usage import UsageRecord
@@ -154,6 +155,8 @@ def _cell(
 
 def shown_url(url: str) -> str:
     """``url`` without credentials (safe to log and to show in /ready)."""
+    if is_sentinel_url(url):
+        return str(parse_sentinel_url(url))
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""

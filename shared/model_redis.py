@@ -8,7 +8,9 @@ redis-server); every other model, and the control plane (key-cache invalidation,
 retention lock, the adapter locks), lives on the home Redis, ``CONVEYOR_REDIS_URL``.
 
 Syntax: ``model=redis://host:port/db`` entries separated by commas (or whitespace). Two
-models may share a URL; a URL equal to the home URL is the home Redis.
+models may share a URL; a URL equal to the home URL is the home Redis. A URL may be a
+``redis+sentinel://h1:26379,h2:26379/<master>/<db>`` one (shared/redis_url.py): its own
+commas list Sentinels, so an entry ends only where the next ``model=`` begins.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 
-_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
+from shared.redis_url import is_sentinel_url, parse_sentinel_url
+
+_URL = re.compile(r"^(redis|rediss|unix|redis\+sentinel)://\S+$")
+_ENTRY_BREAK = re.compile(r"[,\s]+(?=[^,\s=]+=(?:redis|rediss|unix|redis\+sentinel)://)")
+"""The commas (or whitespace) before the next ``model=<url>``: not those between a
+Sentinel URL's hosts, nor the ``=`` of its query."""
 
 
 def parse_model_redis_urls(text: str) -> dict[str, str]:
     """``model=url,...`` -> {model: url}; raises ValueError naming the bad entry."""
     found: dict[str, str] = {}
-    for entry in (part.strip() for part in re.split(r"[,\s]+", text)):
+    for entry in (part.strip(", ") for part in _ENTRY_BREAK.split(text.strip())):
         if not entry:
             continue
         model, sep, url = entry.partition("=")
@@ -33,10 +40,24 @@ def parse_model_redis_urls(text: str) -> dict[str, str]:
             raise ValueError(
                 f"CONVEYOR_MODEL_REDIS_URLS: `{entry}` is not `model=redis://host:port/db`"
             )
+        _check_url(model, url)
         if model in found and found[model] != url:
             raise ValueError(f"CONVEYOR_MODEL_REDIS_URLS: model `{model}` is listed twice")
         found[model] = url
     return found
+
+
+def _check_url(model: str, url: str) -> None:
+    """Commas only between a Sentinel URL's hosts: anywhere else a bad entry followed."""
+    after_hosts = url.split("://", 1)[1].partition("/")[2]
+    if "," in (after_hosts if is_sentinel_url(url) else url):
+        raise ValueError(f"CONVEYOR_MODEL_REDIS_URLS: `{model}={url}` is not one URL")
+    if not is_sentinel_url(url):
+        return
+    try:
+        parse_sentinel_url(url)
+    except ValueError as exc:
+        raise ValueError(f"CONVEYOR_MODEL_REDIS_URLS: `{model}`: {exc}") from None
 
 
 def check_served(urls: Mapping[str, str], served: set[str]) -> None:

@@ -118,3 +118,25 @@ async def test_a_sentinel_url_gets_sentinel_pools_with_the_nodes_settings() -> N
     assert (pool.max_connections, db_of(pooled)) == (7, 5)
     assert pool.service_name == "conveyor" and pool.is_master
     await pooled.aclose()
+
+
+def test_per_model_urls_may_be_sentinel_urls_with_their_own_commas() -> None:
+    from shared.model_redis import parse_model_redis_urls
+
+    sentinel = "redis+sentinel://:pw@h1:26379,h2,h3:26380/m/1?sentinel_password=sp"
+    text = f"org/big={sentinel}, small=redis://r3:6379/0,other={sentinel}"
+    assert parse_model_redis_urls(text) == {
+        "org/big": sentinel,
+        "small": "redis://r3:6379/0",
+        "other": sentinel,
+    }
+    for bad in (f"a={sentinel},junk", "a=redis://r:1/0,junk", "a=redis+sentinel://h1,h2"):
+        with pytest.raises(ValueError, match="CONVEYOR_MODEL_REDIS_URLS"):
+            parse_model_redis_urls(bad)
+
+
+def test_a_sentinel_url_is_shown_without_its_secrets() -> None:
+    from gateway.redis_cells import shown_url
+
+    url = "redis+sentinel://:pw@h1:26379,h2/m/1?sentinel_password=sp"
+    assert shown_url(url) == "redis+sentinel://h1:26379,h2:26379/m/1"
