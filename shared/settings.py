@@ -283,7 +283,8 @@ class GatewaySettings(ImageSettings):
     model_redis_urls: str = Field(
         "",
         description="Models that live on their own Redis: `model=redis://host:port/db` "
-        "entries, comma-separated (each model's workers get that URL as their "
+        "(or `model=redis+sentinel://...`) entries, comma-separated (each model's workers "
+        "get that URL as their "
         "CONVEYOR_REDIS_URL). Models not listed, and the control plane, use CONVEYOR_REDIS_URL.",
     )
 
