@@ -60,7 +60,7 @@ class LedgerPolicy:
     reclaim_every_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
-    linger_s: float = 0.5
+    linger_s: float = 1.0
     """After a batch smaller than ``batch_size``, wait this long before reading again so
     rows reach SQL in batches: a transaction per request cost the gateway ~1 ms of CPU
     per request under load. Rows are delayed by it, never lost (they wait in Redis)."""

@@ -7,6 +7,8 @@ an event loop (the gateway's start-up, the CLI) without Alembic starting its own
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,10 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+@functools.cache
 def head_revision() -> str:
+    """The newest migration. Cached: the migrations ship with the code, and reading them
+    execs every script in alembic/versions (the 30 s schema watch did, stalling the loop)."""
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     if head is None:
         raise RuntimeError(f"no migrations found in {MIGRATIONS_DIR}")
