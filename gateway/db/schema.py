@@ -8,7 +8,6 @@ an event loop (the gateway's start-up, the CLI) without Alembic starting its own
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from pathlib import Path
 
