@@ -13,7 +13,9 @@ within ~0.25 s (:mod:`gateway.adapter_watch`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from datetime import UTC
 from typing import Annotated, Any
 
@@ -72,8 +74,8 @@ class VllmUnloadBody(BaseModel):
 async def add_lora(body: LoraBody, state: StateDep, loras: LoraDep) -> dict[str, Any]:
     """Answers once a live worker has it loaded; else 400/404/409/503, nothing registered."""
     spec = AdapterSpec(name=body.name, path=body.path, base_model=_base(state, body.base_model))
-    rollout = await loras.register(spec)
-    await _refresh(state)
+    async with _refreshed_after(state):
+        rollout = await loras.register(spec)
     return _added(spec, rollout)
 
 
@@ -96,8 +98,8 @@ async def vllm_load(body: VllmLoadBody, state: StateDep, loras: LoraDep) -> str:
     spec = AdapterSpec(
         name=body.lora_name, path=body.lora_path, base_model=_base(state, body.base_model)
     )
-    await loras.register(spec)
-    await _refresh(state)
+    async with _refreshed_after(state):
+        await loras.register(spec)
     return f"Success: LoRA adapter '{spec.name}' added successfully."
 
 
@@ -119,6 +121,16 @@ def _base(state: GatewayState, base_model: str | None) -> str:
             param="base_model",
         )
     return bases[0]
+
+
+@contextlib.asynccontextmanager
+async def _refreshed_after(state: GatewayState) -> AsyncIterator[None]:
+    """Refresh the catalog after a registration, also one that failed: while it was
+    rolling out, the catalog may have picked up the adapter its rollback withdrew."""
+    try:
+        yield
+    finally:
+        await _refresh(state)
 
 
 async def _refresh(state: GatewayState) -> None:
