@@ -4,18 +4,12 @@ two Redis: started with the durable options `conveyor up` uses, killed and resta
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.redis_server import start_private_redis
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.e2e.stack import free_port
 
 
 @dataclass

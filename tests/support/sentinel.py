@@ -16,6 +16,7 @@ from pathlib import Path
 
 import redis
 
+from conveyor.redis_server import DURABLE_OPTIONS
 from tests.e2e.stack import free_port
 
 SERVICE = "conveyor"
@@ -67,14 +68,9 @@ class SentinelGroup:
             "127.0.0.1",
             "--dir",
             str(folder),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
+            *DURABLE_OPTIONS,
             "--save",
             "",
-            "--maxmemory-policy",
-            "noeviction",
             "--logfile",
             str(folder / "redis.log"),
             *extra,
