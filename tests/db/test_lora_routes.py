@@ -178,9 +178,9 @@ async def test_without_a_worker_of_the_base_it_is_a_503_and_nothing_registered(
 async def test_a_load_no_worker_finishes_in_time_is_rolled_back(
     gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
 ) -> None:
-    worker.frozen = True
+    await worker.freeze()
     assert error_of(await add(gateway, "a1", adapter_dir), 503)["code"] == "adapter_load_timeout"
-    worker.frozen = False
+    worker.thaw()
     await assert_nothing_registered(gateway)
 
 
@@ -279,9 +279,7 @@ async def test_an_adapter_not_loaded_anywhere_is_a_503(
     gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
-    worker.frozen = True
-    worker.report = {"a1": "unloading"}
-    await worker.sync()
+    await worker.freeze({"a1": "unloading"})
     await gateway.state.cells.home.directory.refresh()
     response = await chat(gateway, "a1")
     assert error_of(response, 503)["code"] == "no_live_worker"

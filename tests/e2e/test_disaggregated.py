@@ -429,16 +429,20 @@ def test_decode_that_dies_mid_stream_migrates(pd: Disaggregated, running: Runnin
         running.base_url, running.model, FAULT_PROMPT, max_tokens=200, ignore_eos=True
     )["choices"][0]["token_ids"]  # type: ignore[index]
     killed = threading.Event()
+    restart = threading.Thread(target=_restart, args=(running, "decode"), daemon=True)
 
     def kill_decode_midway(count: int) -> None:
         if count >= 20 and not killed.is_set():
             killed.set()
             _kill(pd.decode)
-            threading.Thread(target=_restart, args=(running, "decode"), daemon=True).start()
+            restart.start()
 
     tokens = _stream_tokens(pd.base_url, FAULT_PROMPT, 200, kill_decode_midway)
     assert killed.is_set()
     assert tokens == reference
+    # The next tests need the replacement in the gateway's pools, not only reading its
+    # stream (it can finish this job before the gateway's next directory refresh).
+    restart.join(600)
 
 
 def test_prefill_that_dies_before_the_handoff_is_prefilled_again(

@@ -4,7 +4,7 @@ commands, for the in-process gateway (the real reconciler runs in tests/e2e/test
 Every ``tick_s`` it reads the desired state (:func:`shared.adapters.read_desired`) and
 reports each adapter ``loaded`` when its folder exists (a folder holding a ``WRONG_BASE``
 file fails as made for another model), else ``failed: no adapter folder at ...``; a loaded
-adapter's stream is read by a :class:`FakeWorker` (echo). With ``frozen`` it never applies
+adapter's stream is read by a :class:`FakeWorker` (echo). After :meth:`freeze` it never applies
 a generation (a load that never finishes). Admin commands are answered from ``answers``.
 """
 
@@ -53,6 +53,20 @@ class FakeAdapterWorker:
         await cancel_and_wait(self._tasks)
         await cancel_and_wait([w.task for w in self.readers.values() if w.task])
         await WorkerRegistry(self._redis, ttl_s=60).remove(WORKER_ID)
+
+    async def freeze(self, report: dict[str, str] | None = None) -> None:
+        """Stop applying generations from now on, optionally reporting ``report`` instead.
+        Setting ``frozen`` alone races a reconcile pass already past its read of the desired
+        state: that pass would still write its report after this one."""
+        await cancel_and_wait(self._tasks[:1])
+        self.frozen = True
+        if report is not None:
+            self.report = report
+        await self.sync()
+        self._tasks[0] = asyncio.create_task(self._reconcile())
+
+    def thaw(self) -> None:
+        self.frozen = False
 
     async def sync(self) -> None:
         desired = None if self.frozen else await read_desired(self._redis, self._model)

@@ -7,6 +7,7 @@ Fail-over is tuned to be quick (``down-after-milliseconds`` 500, ``failover-time
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,10 @@ SERVICE = "conveyor"
 QUORUM = 2
 DOWN_AFTER_MS = 500
 FAILOVER_TIMEOUT_MS = 2000
+
+
+def _sentinel_id(port: int) -> str:
+    return f"{port:040x}"
 
 
 def redis_binary() -> str:
@@ -51,11 +56,28 @@ class SentinelGroup:
         return f"redis+sentinel://{hosts}/{SERVICE}/{self.db}"
 
     def start(self) -> None:
-        self._start_node(self.master_port, [])
+        # No 5 s wait for more replicas before a diskless full sync (the default delay).
+        self._start_node(self.master_port, ["--repl-diskless-sync-delay", "0"])
         self._start_node(self.replica_port, ["--replicaof", "127.0.0.1", str(self.master_port)])
+        self._wait_replica_linked()
         for port in self.sentinel_ports:
             self._start_sentinel(port)
         self.wait_ready()
+
+    def _wait_replica_linked(self, timeout_s: float = 20) -> None:
+        """A Sentinel asks the master for its replicas at once, then every 10 s: started
+        before the replica links, the group would take those 10 s to settle."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, OSError):
+                client = redis.Redis(port=self.replica_port, socket_timeout=0.5)
+                try:
+                    if client.info("replication").get("master_link_status") == "up":
+                        return
+                finally:
+                    client.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"the replica did not link to its master; logs in {self.workdir}")
 
     def _start_node(self, port: int, extra: list[str]) -> None:
         folder = self.workdir / f"node-{port}"
@@ -73,6 +95,9 @@ class SentinelGroup:
             "",
             "--logfile",
             str(folder / "redis.log"),
+            # Stopped all at once: a master would wait 10 s for a replica already gone.
+            "--shutdown-timeout",
+            "0",
             *extra,
         ]
         self.nodes[port] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
@@ -87,6 +112,15 @@ class SentinelGroup:
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
+            # Known up front, as a Sentinel would write them to its file once it had heard
+            # of them (hello messages every 2 s): the group is ready at once.
+            f"sentinel myid {_sentinel_id(port)}\n"
+            f"sentinel known-replica {SERVICE} 127.0.0.1 {self.replica_port}\n"
+            + "".join(
+                f"sentinel known-sentinel {SERVICE} 127.0.0.1 {other} {_sentinel_id(other)}\n"
+                for other in self.sentinel_ports
+                if other != port
+            )
         )
         command = [redis_binary(), str(config), "--sentinel"]
         self.nodes[port] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
@@ -157,8 +191,8 @@ class SentinelGroup:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in self.nodes.values():
-            try:
-                process.wait(10)
+            try:  # a node still writing its first AOF refuses SIGTERM ("can't exit")
+                process.wait(2)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
