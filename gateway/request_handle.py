@@ -18,7 +18,7 @@ from types import TracebackType
 
 from gateway.plan import Deadline
 from gateway.request_tally import RequestTally
-from shared.errors import BackendUnavailable, DeadlineExceeded
+from shared.errors import BackendUnavailable, DeadlineExceeded, RepliesLost
 from shared.protocol import FINAL_EVENTS, Event
 from shared.reply_stream import StreamInterrupted
 
@@ -102,18 +102,27 @@ class RequestHandle:
         return not self._queue.empty()
 
     def _in_order(self, event: Event) -> bool:
-        """Drop repeats (seq already seen for this choice); note gaps."""
+        """Drop repeats (seq already seen for this choice); a gap ends the request.
+
+        A job's events are written in order by one fenced writer (workers/journal.py), so
+        a seq that skips ahead means events were lost in Redis, never that they are late.
+        """
         expected = self._next_seq.get(event.index, 0)
         if event.seq < expected:
             self.duplicates_dropped += 1
             return False
         if event.seq > expected:
-            log.warning(
-                "%s choice %d: seq gap %d..%d",
+            log.error(
+                "%s choice %d: seq gap %d..%d: reply events lost; ending the request",
                 self.request_id,
                 event.index,
                 expected,
                 event.seq - 1,
+            )
+            raise RepliesLost(
+                f"events {expected}..{event.seq - 1} of choice {event.index} were lost on "
+                "their way back from the worker (Redis lost acknowledged writes, as in a "
+                "fail-over); the output so far is incomplete: retry the request"
             )
         self._next_seq[event.index] = event.seq + 1
         return True

@@ -272,6 +272,14 @@ class BackendUnavailable(RetryableError):
     code = "backend_unavailable"
 
 
+class RepliesLost(BackendUnavailable):
+    """Events of a sequence never reached the gateway (a seq gap): Redis lost writes it had
+    acknowledged, as a fail-over to a replica that lagged can. The text so far has holes,
+    so the request ends with this error rather than passing them on."""
+
+    code = "replies_lost"
+
+
 class DatabaseUnavailable(RetryableError):
     status = 503
     type = "service_unavailable"

@@ -164,22 +164,34 @@ async def test_repeated_seqs_reach_the_client_once(gateway: LiveGateway, stream:
     assert [item.id for item in events(response.text) if item.id] == ["0", "1", "2", "3"]
 
 
-async def gap_then_late(job: Job) -> AsyncIterator[Sequence[Event]]:
+async def gap(job: Job) -> AsyncIterator[Sequence[Event]]:
     yield [token(job, 0, "a ")]
-    yield [token(job, 2, "c ")]  # seq 1 never came: passed on, and noted
-    yield [token(job, 1, "b ")]  # older than what was sent: dropped
+    yield [token(job, 2, "c ")]  # seq 1 never came: Redis lost it
     yield [finish(job, 3, 3)]
 
 
-async def test_a_gap_is_passed_on_and_a_late_seq_dropped(
+async def test_a_gap_ends_a_stream_with_a_clean_error_not_a_hole(
     gateway: LiveGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gateway.workers[0].script = gap_then_late
-    with caplog.at_level(logging.WARNING, logger="gateway.request_handle"):
+    gateway.workers[0].script = gap
+    with caplog.at_level(logging.ERROR, logger="gateway.request_handle"):
         response = await gateway.client.post(CHAT, json=chat(stream=True))
-    assert content(response.text) == "a c "
-    assert [item.id for item in events(response.text) if item.id] == ["0", "2", "3"]
+    assert content(response.text) == "a "
+    *_, failure, done = events(response.text)
+    assert failure.data["error"]["code"] == "replies_lost"
+    assert "events 1..1 of choice 0 were lost" in failure.data["error"]["message"]
+    assert done.data == DONE
     assert "seq gap 1..1" in caplog.text
+
+
+async def test_a_gap_is_a_503_for_a_json_answer(gateway: LiveGateway) -> None:
+    gateway.workers[0].script = gap
+    response = await gateway.client.post(CHAT, json=chat())
+    assert error_of(response, 503)["code"] == "replies_lost"
+    assert "Retry-After" in response.headers
+    [job] = gateway.workers[0].generate_jobs()
+    await gateway.state.cells.wait_background()
+    assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
 
 
 # -------------------------------------------------------------------- errors and time
