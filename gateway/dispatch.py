@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.drain_rate import DrainMeter
+from gateway.lost_admissions import Admitted, LostAdmissions
 from gateway.plan import AnyPlan, Embedding, Generation
 from gateway.request_accounting import RequestAccounting
 from gateway.request_handle import RequestHandle
@@ -90,6 +91,9 @@ class Dispatcher:
             redis, keys.gateway_of_reply_stream(router.stream), on_usage
         )
         self.drain = DrainMeter(redis)
+        self.lost = LostAdmissions(
+            redis, router, self.accounting.gateway_id, self._readmit, self._in_background
+        )
 
     async def _admit(
         self,
@@ -228,7 +232,15 @@ class Dispatcher:
         )
         if isinstance(plan.work, Generation):
             handle.tally.choices_per_prompt = plan.work.choices_per_prompt
+        self.lost.watch(Admitted(stream, jobs, plan, handle))
         return handle
+
+    async def _readmit(self, request: Admitted) -> AdmissionResult:
+        plan = request.plan
+        opened = self.accounting.opened_by(plan)
+        return await self._admit(
+            request.stream, request.jobs, plan.idempotency_key, plan.charge, opened
+        )
 
     def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
         """The request ended (its handle's owner left): close its route, cancel what still
@@ -240,6 +252,7 @@ class Dispatcher:
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)
+        self.lost.forget(request_id)
         if cancel:
             self._in_background(self._send_cancel(request_id))
 

@@ -142,6 +142,7 @@ def _cell(
     dispatcher = Dispatcher(
         redis, router, directory, AdmissionPolicy.from_settings(settings), on_usage=on_usage
     )
+    router.on_reconnect = dispatcher.lost.requeue_lost
     return Cell(
         name=name,
         redis=redis,

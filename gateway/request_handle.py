@@ -97,6 +97,11 @@ class RequestHandle:
             async with asyncio.timeout(wait_s):
                 return await self._queue.get()
 
+    @property
+    def started(self) -> bool:
+        """Whether any event of the request has arrived (taken or still queued)."""
+        return bool(self._next_seq) or not self._queue.empty()
+
     def has_buffered(self) -> bool:
         """Events already arrived and not yet yielded (a writer can batch them)."""
         return not self._queue.empty()

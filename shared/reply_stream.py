@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -67,6 +68,9 @@ class ReplyRouter:
         """Times the watchdog has looked (tests wait on it, not on its clock)."""
         self._last_ok = time.monotonic()
         self.connected = asyncio.Event()
+        self.on_reconnect: Callable[[], Awaitable[None]] | None = None
+        """Called when a read succeeds after one failed: Redis may have restarted or
+        failed over, and lost writes it had acknowledged (the dispatcher checks)."""
 
     def open(self, request_id: str) -> asyncio.Queue[Event | StreamInterrupted]:
         queue: asyncio.Queue[Event | StreamInterrupted] = asyncio.Queue(self._queue_size)
@@ -102,14 +106,20 @@ class ReplyRouter:
             self.watchdog_checks += 1
 
     def interrupt_all(self, reason: str) -> None:
-        routes, self._routes = self._routes, {}
-        for queue in routes.values():
-            queue._queue.clear()  # type: ignore[attr-defined]
-            queue.put_nowait(StreamInterrupted(reason))
+        self.interrupt(list(self._routes), reason)
+
+    def interrupt(self, request_ids: Iterable[str], reason: str) -> None:
+        """End these requests (those still open) with ``reason``."""
+        for request_id in request_ids:
+            queue = self._routes.pop(request_id, None)
+            if queue is not None:
+                queue._queue.clear()  # type: ignore[attr-defined]
+                queue.put_nowait(StreamInterrupted(reason))
 
     async def _read_forever(self) -> None:
         last_trim = time.monotonic()
         backoff = Backoff(first_s=0.1, max_s=2.0)
+        reconnecting = False
         while True:
             try:
                 reply: Any = await self._redis.xread(
@@ -120,10 +130,15 @@ class ReplyRouter:
                 backoff.reset()
             except RedisError as exc:
                 self.connected.clear()
+                reconnecting = True
                 delay = backoff.next_delay()
                 log.warning("reply stream read failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 continue
+            if reconnecting:
+                reconnecting = False
+                if self.on_reconnect is not None:
+                    await self.on_reconnect()
             for _stream, entries in reply or []:
                 for raw_id, fields in entries:
                     self._last_id = as_text(raw_id)

@@ -19,12 +19,17 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from conveyor.redis_server import redis_answers, start_private_redis
+from gateway.model_catalog import ServedModel
 from shared import keys
 from shared.job_queue import Admission, JobQueue
 from shared.liveness import HeartbeatThread, forget_dead_process
+from shared.model_redis import ModelRedis
 from shared.redis_conn import connect, db_of
 from shared.redis_url import async_client
 from tests.contract.test_job_queue import JOBS, STREAM, make_job
+from tests.gateway.fake_worker import echo, silent
+from tests.gateway.harness import BODIES, CHAT, live_gateway
+from tests.gateway.sse import DONE, content, events
 from tests.support.sentinel import SentinelGroup
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -205,3 +210,44 @@ def test_conveyor_up_uses_the_sentinels_master_and_never_starts_a_private_redis(
     with pytest.raises(RuntimeError, match="through the Sentinels of redis\\+sentinel://"):
         start_private_redis(group.url, tmp_path)
     assert not (tmp_path / "redis").exists()
+
+
+async def test_a_request_the_fail_over_lost_is_queued_again_as_the_gateway_reconnects(
+    group: SentinelGroup, served_model: ServedModel
+) -> None:
+    """A request queued while the replica was cut off is gone after the promotion (jobs,
+    open entry, admitted marker: one admission script). The in-process gateway, on this
+    Sentinel group, queues it again as soon as its reply stream reads again, and a
+    worker on the promoted replica answers it; the request queued before the cut (on
+    the replica, held by the worker that died with the master) is left alone."""
+    models = ModelRedis(group.url, {}, connect, home=connect(group.url))
+    body = {**BODIES[CHAT], "stream": True}
+    async with live_gateway(
+        served_model, workers=(), model_redis=models, sse_keepalive_s=0.05
+    ) as gateway:
+        await gateway.add_worker(script=silent)  # takes jobs, says nothing; dies with the master
+        async with gateway.call(CHAT, body) as kept:
+            assert await kept.start() == 200
+            await kept.read_until(": keep-alive")
+            group.wait_replicated()
+            group.cut_replication()
+            async with gateway.call(CHAT, body) as lost:
+                assert await lost.start() == 200
+                await lost.read_until(": keep-alive")  # acknowledged by the master only
+                group.kill_master()
+                group.resume_replica()
+                deadline = time.monotonic() + FAILOVER_BOUND_S
+                while group.master_address()[1] != group.replica_port:
+                    assert time.monotonic() < deadline, "no fail-over"
+                    await asyncio.sleep(0.05)
+                answering = await gateway.add_worker(script=echo)
+                text = await asyncio.wait_for(lost.read_all(), FAILOVER_BOUND_S)
+                assert group.killed_at is not None
+                ended_s = time.monotonic() - group.killed_at
+                print(f"\nthe lost request was answered {ended_s:.2f}s after the SIGKILL")
+            assert events(text)[-1].data == DONE
+            assert content(text) and "error" not in text
+            assert [job.request_id for job in answering.generate_jobs()] == [
+                lost.headers["x-request-id"]
+            ]
+            assert gateway.state.cells.home.router.open_requests() == 1  # the kept one

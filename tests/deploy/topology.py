@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from tests.deploy.compose_model import DOCKERFILE, command_of, service_environment, services
-from tests.e2e.stack import CONVEYOR, Process, free_port
+from tests.e2e.stack import CONVEYOR, Process, free_port, stop_together
 from tests.support.sql import create_postgres_database, drop_postgres_database, require_postgres
 
 E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")
@@ -167,6 +167,5 @@ def run_topology(
             url, processes, log_dir, data_dir, adapters_dir, dot_env["CONVEYOR_ADMIN_KEY"]
         )
     finally:
-        for process in reversed(processes.values()):
-            process.stop()
+        stop_together(processes.values())
         drop_postgres_database(database)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,20 @@ class Process:
     log_path: Path
 
     def stop(self, timeout_s: float = 30) -> int:
+        self.terminate()
+        return self.reap(time.monotonic() + timeout_s)
+
+    def terminate(self) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+
+    def reap(self, deadline: float) -> int:
+        """Wait for it to exit until ``deadline`` (``time.monotonic()``), then SIGKILL."""
+        try:
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
         self.kill_group()
         return int(self.popen.returncode)
 
@@ -104,8 +112,7 @@ class Stack:
         return process, f"http://127.0.0.1:{port}"
 
     def stop_all(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
+        stop_together(self.processes)
 
     def assert_no_safety_net(self) -> None:
         """A job served by the stale-entry reclaim means a delivery was lost: fail."""
@@ -117,6 +124,17 @@ class Stack:
         ]
         if fired:
             raise AssertionError("the stale-entry safety net served jobs:\n" + "\n".join(fired))
+
+
+def stop_together(processes: Iterable[Process], timeout_s: float = 30) -> None:
+    """SIGTERM them all at once, then wait: a vLLM worker takes seconds to shut its engine
+    down, and one after another those seconds add up."""
+    processes = list(processes)
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.reap(deadline)
 
 
 def wait_until(url: str, *, status: int, process: Process, timeout_s: float) -> None:

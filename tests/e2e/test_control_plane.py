@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Running
-from tests.e2e.stack import wait_until
+from tests.e2e.stack import stop_together, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 
@@ -89,8 +89,7 @@ def fleet(running: Running) -> Iterator[Fleet]:
             wait_until(f"{url}/ready", status=200, process=process, timeout_s=60)
         yield Fleet(running.model, (gateways[0][1], gateways[1][1]))
     finally:
-        for process, _ in gateways:
-            process.stop()
+        stop_together(process for process, _ in gateways)
 
 
 def in_one_minute(attempt: Callable[[], T]) -> T:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import Running
-from tests.e2e.stack import Process, Stack, wait_until
+from tests.e2e.stack import Process, Stack, stop_together, wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -52,8 +52,7 @@ def pd(running: Running) -> Iterator[Disaggregated]:
     yield Disaggregated(url, prefill, decode)
     # Stop every P/D process here, replacements included, so later modules get the
     # CPU and memory back.
-    for process in (gateway, *reversed(_RESTARTED), decode, prefill):
-        process.stop()
+    stop_together([gateway, *_RESTARTED, decode, prefill])
 
 
 _GATEWAY_URL: list[str] = []

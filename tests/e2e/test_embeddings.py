@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Running
-from tests.e2e.stack import wait_until
+from tests.e2e.stack import stop_together, wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -44,8 +44,7 @@ def embedding(running: Running) -> Iterator[Embedding]:
     gateway, url = running.stack.start_gateway("gateway-embed", **env)
     wait_until(f"{url}/ready", status=200, process=worker, timeout_s=300)
     yield Embedding(url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
-    gateway.stop()
-    worker.stop()
+    stop_together([gateway, worker])
 
 
 def reference_embeddings(texts: list[str]) -> list[list[float]]:

@@ -29,7 +29,7 @@ import redis
 from shared import keys
 from shared.demo_model import write_demo_model
 from shared.roles import Role
-from tests.e2e.stack import Process, Stack, wait_until
+from tests.e2e.stack import Process, Stack, stop_together, wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -134,8 +134,7 @@ def vision(
     try:
         yield state
     finally:
-        for process in reversed(state.processes):
-            process.stop()
+        stop_together(state.processes)
 
 
 CASES: dict[str, list[str]] = {

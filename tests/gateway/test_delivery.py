@@ -17,7 +17,8 @@ from shared import keys
 from shared.errors import EngineError, InvalidRequest
 from shared.protocol import Event, FinishEvent, Job
 from shared.usage import decode_usage
-from tests.gateway.fake_worker import error, finish, silent, token
+from tests.gateway.asgi_call import AsgiCall
+from tests.gateway.fake_worker import echo, error, finish, silent, token
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, LiveGateway, error_of
 from tests.gateway.sse import DONE, SseEvent, content, events, parse_sse
 from tests.waiting import eventually
@@ -310,6 +311,78 @@ async def test_losing_the_reply_stream_ends_a_stream_with_a_503_event(
     assert failure.data["error"]["code"] == "backend_unavailable"
     assert "lost contact with Redis" in failure.data["error"]["message"]
     assert done.data == DONE
+
+
+def answers_the_second_time() -> Any:
+    """Silent for a request's first job; echoes when it is queued again."""
+    seen: set[str] = set()
+
+    async def script(job: Job) -> AsyncIterator[Sequence[Event]]:
+        if job.request_id not in seen:
+            seen.add(job.request_id)
+            async for batch in silent(job):
+                yield batch
+        async for batch in echo(job):
+            yield batch
+
+    return script
+
+
+async def lose_admission(gateway: LiveGateway, call: AsgiCall) -> None:
+    """What a fail-over to a replica that never got the admission script leaves: no open
+    entry, no admitted marker, no jobs (one script wrote them); then the reply router
+    reconnects."""
+    cell = gateway.state.cells.home
+    opened = keys.open_requests(cell.dispatcher.accounting.gateway_id)
+    request_id = call.headers["x-request-id"]
+    assert await gateway.redis.hdel(opened, request_id) == 1
+    assert await gateway.redis.delete(keys.admitted(request_id)) == 1
+    assert cell.router.on_reconnect is not None
+    await cell.router.on_reconnect()
+
+
+async def test_a_request_whose_admission_redis_lost_is_queued_again_at_the_reconnect(
+    gateway: LiveGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway.workers[0].script = answers_the_second_time()
+    async with (
+        gateway.call(CHAT, chat(max_tokens=4, **STREAM)) as lost,
+        gateway.call(CHAT, chat(**STREAM)) as kept,
+    ):
+        for call in (lost, kept):
+            assert await call.start() == 200
+            await call.read_until(": keep-alive")  # queued; nothing came back yet
+        with caplog.at_level(logging.WARNING, logger="gateway.lost_admissions"):
+            await lose_admission(gateway, lost)
+            text = await lost.read_all()
+        assert content(text) == "c0-0 c0-1 c0-2 c0-3 "
+        assert events(text)[-1].data == DONE
+        lost_id = lost.headers["x-request-id"]
+        assert [job.request_id for job in gateway.workers[0].generate_jobs()].count(lost_id) == 2
+        assert f"queued {lost_id} again after Redis lost its admission" in caplog.text
+        assert gateway.state.cells.home.router.open_requests() == 1  # the other one waits
+
+
+async def first_token_then_silent(job: Job) -> AsyncIterator[Sequence[Event]]:
+    yield [token(job, 0, "a ")]
+    async for batch in silent(job):
+        yield batch
+
+
+async def test_a_lost_admission_whose_events_came_ends_with_a_503_not_a_second_run(
+    gateway: LiveGateway,
+) -> None:
+    gateway.workers[0].script = first_token_then_silent
+    async with gateway.call(CHAT, chat(**STREAM)) as lost:
+        assert await lost.start() == 200
+        await lost.read_until('"a "')
+        await lose_admission(gateway, lost)
+        *_, failure, done = events(await lost.read_all())
+    assert failure.data["error"]["code"] == "backend_unavailable"
+    assert "Redis lost this request's job" in failure.data["error"]["message"]
+    assert "its first events had arrived" in failure.data["error"]["message"]
+    assert done.data == DONE
+    assert len(gateway.workers[0].generate_jobs()) == 1
 
 
 # ------------------------------------------------------------------------- embeddings
