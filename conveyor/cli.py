@@ -183,7 +183,7 @@ def _conveyor_command() -> list[str]:
 
 
 def run_up(settings: Settings) -> int:
-    from conveyor.redis_server import redis_answers, start_private_redis
+    from conveyor.redis_server import redis_answers, start_private_redis, stop_private_redis
     from conveyor.supervisor import Child, Supervisor, child_env
 
     if settings.model_redis_map():
@@ -231,8 +231,7 @@ def run_up(settings: Settings) -> int:
     finally:
         supervisor.stop_all()
         if redis_process is not None:
-            redis_process.terminate()
-            redis_process.wait(10)
+            stop_private_redis(redis_process)
 
 
 def _forget_worker(redis_url: str) -> Callable[[int], None]:

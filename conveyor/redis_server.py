@@ -85,3 +85,15 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
         time.sleep(0.1)
     process.kill()
     raise RuntimeError(f"redis-server did not start at {url}; see {folder / 'redis.log'}")
+
+
+def stop_private_redis(process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it is still up after ``timeout_s``: Redis refuses a
+    shutdown while it writes an AOF it has just begun ("can't exit") and keeps running."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("the private redis-server did not stop in %.0fs; killing it", timeout_s)
+        process.kill()
+        process.wait()

@@ -13,6 +13,7 @@ import httpx
 import psutil
 import redis
 
+from conveyor.redis_server import stop_private_redis
 from shared import keys
 from tests.e2e.stack import Process, Stack, free_port, wait_until
 
@@ -150,5 +151,4 @@ class Cluster:
         if self.stack is not None:
             self.stack.stop_all()
         if self.redis_process is not None and self.redis_process.poll() is None:
-            self.redis_process.terminate()
-            self.redis_process.wait(10)
+            stop_private_redis(self.redis_process)
