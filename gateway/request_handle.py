@@ -100,7 +100,7 @@ class RequestHandle:
     @property
     def started(self) -> bool:
         """Whether any event of the request has arrived (taken or still queued)."""
-        return bool(self._next_seq) or not self._queue.empty()
+        return bool(self._next_seq) or self.has_buffered()
 
     def has_buffered(self) -> bool:
         """Events already arrived and not yet yielded (a writer can batch them)."""
