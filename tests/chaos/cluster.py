@@ -15,6 +15,7 @@ import redis
 
 from conveyor.redis_server import stop_private_redis
 from shared import keys
+from shared.roles import Role
 from tests.e2e.stack import Process, Stack, free_port, wait_until
 
 MODEL_NAME = "chaos"
@@ -136,6 +137,27 @@ class Cluster:
             return [json.loads(v) for v in values if v]
         finally:
             client.close()
+
+    def jobs_held(self) -> dict[str, int]:
+        """Jobs each live worker process has read and not yet acked, by name.
+
+        From the job stream's consumer group, so it is current the moment a worker reads
+        a job; a heartbeat's ``active`` count can lag a short request by its whole run.
+        """
+        client = self.redis_client()
+        try:
+            stream = keys.job_stream(MODEL_NAME, Role.AGGREGATED)
+            summary = client.xpending(stream, keys.JOB_GROUP) if client.exists(stream) else {}
+        finally:
+            client.close()
+        by_consumer = {
+            c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or []
+        }
+        return {
+            name: sum(n for wid, n in by_consumer.items() if f"-{process.popen.pid}-" in wid)
+            for name, process in self.workers.items()
+            if process.popen.poll() is None
+        }
 
     def engine_pid(self, worker: str) -> int:
         parent = psutil.Process(self.workers[worker].popen.pid)

@@ -82,13 +82,8 @@ RESTART_DELAY_S = 1.0
 
 
 def _busiest_worker(cluster: Cluster) -> str:
-    loads = {str(w["worker_id"]): int(str(w["active"])) for w in cluster.live_workers()}
-    pids = {name: p.popen.pid for name, p in cluster.workers.items() if p.popen.poll() is None}
-    best = max(
-        pids,
-        key=lambda name: next((load for wid, load in loads.items() if f"-{pids[name]}-" in wid), 0),
-    )
-    return best
+    held = cluster.jobs_held()
+    return max(held, key=lambda name: held[name])
 
 
 async def kill_worker(cluster: Cluster) -> None:

@@ -71,7 +71,7 @@ async def forced_call(cluster: Cluster, *, kill: bool) -> StreamedCall:
 
 
 def _running_somewhere(cluster: Cluster, call: StreamedCall) -> bool:
-    """Kill once the arguments have begun and the registry shows which worker runs them."""
+    """Kill once the arguments have begun and the job stream shows which worker runs them."""
     if len(call.arguments) < KILL_AFTER_CHARS:
         return False
-    return any(int(str(w["active"])) for w in cluster.live_workers())
+    return any(cluster.jobs_held().values())
