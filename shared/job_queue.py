@@ -224,26 +224,49 @@ class JobQueue:
     ) -> list[Delivery]:
         """Take over entries idle for ``min_idle_ms`` held by ``from_consumers`` (dead
         workers; default: any consumer but ``consumer`` itself)."""
+        rows = await self._idle_entries(stream, min_idle_ms=min_idle_ms, count=count)
+        ids = [
+            row["message_id"]
+            for row in rows
+            if (include_own or as_text(row["consumer"]) != consumer)
+            and (from_consumers is None or as_text(row["consumer"]) in from_consumers)
+        ][:count]
+        return await self.claim(stream, consumer, min_idle_ms=min_idle_ms, ids=ids)
+
+    async def idle_own_entries(
+        self, stream: JobStream, consumer: str, *, min_idle_ms: int, count: int
+    ) -> list[str]:
+        """Ids of entries ``consumer`` has read and not acked, idle for ``min_idle_ms``."""
+        rows = await self._idle_entries(
+            stream, min_idle_ms=min_idle_ms, count=count, consumer=consumer
+        )
+        return [as_text(row["message_id"]) for row in rows]
+
+    async def claim(
+        self, stream: JobStream, consumer: str, *, min_idle_ms: int, ids: Sequence[str]
+    ) -> list[Delivery]:
+        """Claim ``ids`` for ``consumer`` where still pending and idle for ``min_idle_ms``
+        (an entry acked meanwhile is skipped: every ack deletes its entry too)."""
+        if not ids:
+            return []
+        entries: Any = await self._redis.xclaim(
+            stream.name, keys.JOB_GROUP, consumer, min_idle_ms, list(ids)
+        )
+        return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+
+    async def _idle_entries(
+        self, stream: JobStream, *, min_idle_ms: int, count: int, consumer: str | None = None
+    ) -> list[Any]:
         rows: Any = await self._redis.xpending_range(
             stream.name,
             keys.JOB_GROUP,
             min="-",
             max="+",
             count=max(count * 4, 64),
+            consumername=consumer,
             idle=min_idle_ms,
         )
-        ids = [
-            row["message_id"]
-            for row in rows or []
-            if (include_own or as_text(row["consumer"]) != consumer)
-            and (from_consumers is None or as_text(row["consumer"]) in from_consumers)
-        ][:count]
-        if not ids:
-            return []
-        entries: Any = await self._redis.xclaim(
-            stream.name, keys.JOB_GROUP, consumer, min_idle_ms, ids
-        )
-        return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+        return list(rows or [])
 
     async def consumers(self, stream: JobStream) -> list[str]:
         """The consumers (workers) holding pending entries of ``stream``."""

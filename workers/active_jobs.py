@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from workers.journal import RunLease
 from workers.roles.base import JobRun
@@ -23,6 +25,7 @@ class ActiveJobs:
         self.max_slots = max_slots
         self._runs: dict[str, tuple[JobRun, asyncio.Task[None]]] = {}
         self._fenced: set[str] = set()
+        self._starting: set[str] = set()
         self._slot_freed = asyncio.Event()
         self.orphaned: list[RunLease] = []
         """Leases of jobs whose engine died under them: handed back on the way out."""
@@ -44,6 +47,21 @@ class ActiveJobs:
         if not self.handing_back:
             self._runs.pop(job_id, None)
             self._slot_freed.set()
+
+    @contextmanager
+    def starting(self, entry_ids: Iterable[str]) -> Iterator[None]:
+        """Stream entries on their way from a read (or reclaim) to a running job."""
+        entries = set(entry_ids)
+        self._starting |= entries
+        try:
+            yield
+        finally:
+            self._starting -= entries
+
+    def entries_in_hand(self) -> set[str]:
+        """Stream entry ids of every job starting or running here."""
+        running = {run.lease.delivery.entry_id for run, _ in self._runs.values()}
+        return running | self._starting
 
     def runs(self) -> list[tuple[JobRun, asyncio.Task[None]]]:
         return list(self._runs.values())

@@ -168,6 +168,7 @@ def build_worker(
             worker_id=worker_id,
             claim_idle_ms=policy.claim_idle_ms,
             start=consumer.start_all,
+            in_hand=lambda: jobs.entries_in_hand() | journal.entries_unwritten(),
         ),
         gateways=gateways,
         stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),

@@ -142,6 +142,10 @@ class JobConsumer:
         lease, the whole batch is tried again at once (with a short backoff) for as
         long as the worker runs.
         """
+        with self._jobs.starting(d.entry_id for d in deliveries):
+            await self._start_all(deliveries)
+
+    async def _start_all(self, deliveries: list[Delivery]) -> None:
         backoff = Backoff(START_RETRY_FIRST_S, START_RETRY_MAX_S)
         while deliveries:
             try:

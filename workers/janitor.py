@@ -9,7 +9,12 @@ Every ``interval_s``:
    slow. After a stall (Redis, or this worker) hold off for a heartbeat TTL, so
    that heartbeats that lapsed during it can resume. Safety net: an entry nobody
    renewed for ``STALE_ENTRY_MS`` is restarted, logged as ``SAFETY_NET_LOG``.
-3. Every ``orphan_check_s``: abort running jobs whose gateway is gone.
+3. Restart this worker's own entries that nothing here starts, runs or writes
+   (idle for ``LOST_ENTRY_IDLE_MS``): Redis lost the write that acked them (a
+   fail-over or a restart drops its last acknowledged writes: a prefill's
+   forward, a finish), or a read's reply never arrived. Right after Redis
+   trouble that is expected (a warning); with none it is a bug (``SAFETY_NET_LOG``).
+4. Every ``orphan_check_s``: abort running jobs whose gateway is gone.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ STALL_S = 1.0
 STALE_ENTRY_MS = 30_000
 SAFETY_NET_LOG = "SAFETY NET"
 """Marks the log line of a job served by the stale-entry reclaim (tests fail on it)."""
+LOST_ENTRY_IDLE_MS = 2_000
+"""An own entry nothing here has touched for this long was lost (renewals: every 0.5 s)."""
+TROUBLE_WINDOW_S = 60.0
+"""Own entries found lost this soon after Redis trouble are put down to it."""
 
 StallCheck = Callable[[float], bool]
 """Given the time since the previous pass started: did Redis (or this worker) stall?"""
@@ -70,6 +79,7 @@ class Reclaimer:
         worker_id: str,
         claim_idle_ms: int,
         start: Callable[[list[Delivery]], Awaitable[None]],
+        in_hand: Callable[[], set[str]],
     ) -> None:
         self._queue = queue
         self._registry = registry
@@ -77,6 +87,8 @@ class Reclaimer:
         self._worker_id = worker_id
         self._claim_idle_ms = claim_idle_ms
         self._start = start
+        self._in_hand = in_hand
+        """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
 
     async def reclaim(self, free_slots: Callable[[], int]) -> None:
         for stream in list(self._streams):  # adapters' streams come and go meanwhile
@@ -103,6 +115,42 @@ class Reclaimer:
                 await self._start(deliveries)
                 continue
             await self._safety_net(stream, free)
+
+    async def restart_lost(self, free_slots: Callable[[], int], *, after_trouble: bool) -> None:
+        """Run again the jobs this worker holds in Redis but has no trace of here."""
+        for stream in list(self._streams):
+            free = free_slots()
+            if free <= 0:
+                return
+            idle = await self._queue.idle_own_entries(
+                stream, self._worker_id, min_idle_ms=LOST_ENTRY_IDLE_MS, count=free
+            )
+            # Asked after the read: an entry that left our hands since was acked (and
+            # deleted) first, so the claim below skips it.
+            in_hand = self._in_hand()
+            lost = [entry for entry in idle if entry not in in_hand][:free]
+            deliveries = await self._queue.claim(
+                stream, self._worker_id, min_idle_ms=LOST_ENTRY_IDLE_MS, ids=lost
+            )
+            if not deliveries:
+                continue
+            if after_trouble:
+                log.warning(
+                    "%d jobs on %s are still pending for this worker, which had finished "
+                    "or forwarded them: Redis lost their acks in its recent trouble "
+                    "(a fail-over or restart); running them again",
+                    len(deliveries),
+                    stream.name,
+                )
+            else:
+                log.error(
+                    "%s: %d jobs on %s are pending for this worker but were never started "
+                    "here (a read whose reply was lost, or a bug); starting them",
+                    SAFETY_NET_LOG,
+                    len(deliveries),
+                    stream.name,
+                )
+            await self._start(deliveries)
 
     async def _safety_net(self, stream: JobStream, free: int) -> None:
         # An entry nobody has renewed for this long is not being worked on by anyone,
@@ -155,6 +203,7 @@ class Janitor:
         last_orphan_check = 0.0
         previous_start = time.monotonic()
         hold_reclaim_until = 0.0
+        trouble_at = -TROUBLE_WINDOW_S
         while True:
             await asyncio.sleep(self._timing.interval_s)
             started = time.monotonic()
@@ -164,19 +213,26 @@ class Janitor:
                 # heartbeat may have lapsed meanwhile, the live workers' too. Let them
                 # beat again before calling anyone dead.
                 if self._stalled(time.monotonic() - previous_start):
-                    hold_reclaim_until = time.monotonic() + self._timing.hold_after_stall_s
+                    trouble_at = time.monotonic()
+                    hold_reclaim_until = trouble_at + self._timing.hold_after_stall_s
                     log.warning(
                         "Redis or this worker stalled; no reclaim for %.1fs while "
                         "heartbeats resume",
                         self._timing.hold_after_stall_s,
                     )
                 taking_jobs = not (self._lifecycle.stopping or self._lifecycle.paused)
+                if taking_jobs:
+                    recent_trouble = time.monotonic() - trouble_at < TROUBLE_WINDOW_S
+                    await self._reclaimer.restart_lost(
+                        self._jobs.free, after_trouble=recent_trouble
+                    )
                 if taking_jobs and time.monotonic() >= hold_reclaim_until:
                     await self._reclaimer.reclaim(self._jobs.free)
                 if time.monotonic() - last_orphan_check > self._timing.orphan_check_s:
                     last_orphan_check = time.monotonic()
                     await self._drop_orphans()
             except RedisError as exc:
+                trouble_at = time.monotonic()
                 log.warning("janitor pass failed: %s", exc)
             previous_start = started
 

@@ -103,6 +103,7 @@ class RunJournal:
         self._retry_for_s = retry_for_s
         self._scripts = scripts or JournalScripts(redis)
         self._pending: dict[str, JobWrites] = {}
+        self._sending: list[JobWrites] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -172,6 +173,11 @@ class RunJournal:
         self._wakeup.set()
         return writes
 
+    def entries_unwritten(self) -> set[str]:
+        """Stream entries of jobs whose writes (an ack among them) are not in Redis yet."""
+        waiting = [*self._pending.values(), *self._sending]
+        return {writes.lease.delivery.entry_id for writes in waiting}
+
     async def flush(self) -> None:
         """Wait until everything written so far is in Redis."""
         if self._failed is None:
@@ -202,7 +208,13 @@ class RunJournal:
             sent_ttl_ms=self._run_ttl_ms,
         )
         rows = [writes.row() for writes in batch]
-        fenced = await self._retrying(lambda: self._scripts.write(header, rows), "journal write")
+        self._sending = batch
+        try:
+            fenced = await self._retrying(
+                lambda: self._scripts.write(header, rows), "journal write"
+            )
+        finally:
+            self._sending = []
         for run_key in fenced:
             job_id = keys.job_of_run(as_text(run_key))
             log.warning("job %s belongs to another run now; stopping it here", job_id)
