@@ -46,6 +46,8 @@ class RequestHandle:
         self._queue = queue
         self._unfinished = sequences
         self._next_seq: dict[int, int] = {}
+        self._attempt: dict[int, int] = {}
+        """Per choice: the run (attempt) whose event was taken last."""
         self.duplicates_dropped = 0
         self._deadline = deadline
         self._on_close = on_close
@@ -114,6 +116,8 @@ class RequestHandle:
         """
         expected = self._next_seq.get(event.index, 0)
         if event.seq < expected:
+            if event.attempt > self._attempt.get(event.index, 0):
+                self._rolled_back(event, expected)
             self.duplicates_dropped += 1
             return False
         if event.seq > expected:
@@ -130,4 +134,24 @@ class RequestHandle:
                 "fail-over); the output so far is incomplete: retry the request"
             )
         self._next_seq[event.index] = event.seq + 1
+        self._attempt[event.index] = event.attempt
         return True
+
+    def _rolled_back(self, event: Event, expected: int) -> None:
+        """A new run of the job began before what this request already has: Redis lost
+        the writes of the tokens sent since (a fail-over), so the new run continues a
+        shorter text than the client's, and the two cannot be joined."""
+        log.error(
+            "%s choice %d: run %d resumed at seq %d, before the %d events already sent: "
+            "Redis lost acknowledged writes; ending the request",
+            self.request_id,
+            event.index,
+            event.attempt,
+            event.seq,
+            expected,
+        )
+        raise RepliesLost(
+            f"choice {event.index} was resumed from before events the client already "
+            f"has ({event.seq}..{expected - 1}): Redis lost acknowledged writes, as in a "
+            "fail-over; the output so far cannot be continued: retry the request"
+        )

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from conveyor.redis_server import redis_answers, start_private_redis
@@ -24,13 +27,18 @@ from shared import keys
 from shared.job_queue import Admission, JobQueue
 from shared.liveness import HeartbeatThread, forget_dead_process
 from shared.model_redis import ModelRedis
+from shared.protocol import ErrorEvent, FinishEvent
 from shared.redis_conn import connect, db_of
 from shared.redis_url import async_client
+from tests.conftest import RedisTarget
 from tests.contract.test_job_queue import JOBS, STREAM, make_job
 from tests.gateway.fake_worker import echo, silent
 from tests.gateway.harness import BODIES, CHAT, live_gateway
 from tests.gateway.sse import DONE, content, events
 from tests.support.sentinel import SentinelGroup
+from tests.unit.worker_harness import FakeEngine, Harness, has_events, worker
+from tests.unit.worker_harness import make_job as make_generate_job
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -251,3 +259,51 @@ async def test_a_request_the_fail_over_lost_is_queued_again_as_the_gateway_recon
                 lost.headers["x-request-id"]
             ]
             assert gateway.state.cells.home.router.open_requests() == 1  # the kept one
+
+
+@dataclass
+class SentinelTarget(RedisTarget):
+    """The worker harness's Redis, reached through the Sentinels of ``url``."""
+
+    def connect(self) -> aioredis.Redis:
+        return connect(self.url)
+
+
+async def _events_after_failover(w: Harness, request_id: str) -> list[Any]:
+    deadline = time.monotonic() + FAILOVER_BOUND_S + 10
+    while True:
+        try:
+            events = await w.events(request_id)
+            if events and isinstance(events[-1], FinishEvent | ErrorEvent):
+                return events
+        except RedisError:
+            pass
+        assert time.monotonic() < deadline, "the job never ended on the promoted replica"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_finish_the_fail_over_lost_is_run_again_by_its_worker(
+    group: SentinelGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker finishes a job (and acks it) while the replica is cut off; the master
+    dies. On the promoted replica the job is half-streamed and pending to that worker,
+    which holds no trace of it: the worker runs it again, resuming after the tokens the
+    replica has, so the reply stream there ends with one gap-free run of seqs."""
+    engine = FakeEngine(tokens=20, step_s=0.05)
+    target = SentinelTarget("real", group.url)
+    async with worker(target, engine, worker_id="w-failover") as w:
+        await w.submit(make_generate_job("acked", max_tokens=20))
+        await eventually(lambda: has_events(w, "acked", 1), what="the first tokens")
+        group.wait_replicated()
+        group.cut_replication()
+        await w.drained()  # finished and acked on the master only
+        group.kill_master()
+        group.resume_replica()
+        run_events = await _events_after_failover(w, "acked")
+        assert group.killed_at is not None
+        print(f"\nthe lost finish was run again {time.monotonic() - group.killed_at:.2f}s after")
+    assert isinstance(run_events[-1], FinishEvent)
+    assert [e.seq for e in run_events] == list(range(len(run_events)))
+    assert {e.attempt for e in run_events} == {0, 1}
+    assert [job_id for job_id, _, _ in engine.requests] == ["acked/0", "acked/0"]
+    assert any("Redis lost their acks" in r.getMessage() for r in caplog.records)

@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from msgspec.structs import replace
 
 from shared import keys
 from shared.errors import EngineError, InvalidRequest
@@ -193,6 +194,41 @@ async def test_a_gap_is_a_503_for_a_json_answer(gateway: LiveGateway) -> None:
     [job] = gateway.workers[0].generate_jobs()
     await gateway.state.cells.wait_background()
     assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
+
+
+async def rolled_back(job: Job) -> AsyncIterator[Sequence[Event]]:
+    yield [token(job, 0, "a "), token(job, 1, "b ")]
+    # the worker died, Redis failed over and lost seq 1: the next run resumes after "a "
+    yield [replace(token(job, 1, "x "), attempt=1)]
+    yield [replace(finish(job, 2, 2), attempt=1)]
+
+
+async def test_a_run_resumed_from_before_what_the_client_has_ends_the_stream(
+    gateway: LiveGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "x " continues "a ", not "a b ": joining it to the client's text would splice two
+    different samples. The request ends as a gap does (503 replies_lost)."""
+    gateway.workers[0].script = rolled_back
+    with caplog.at_level(logging.ERROR, logger="gateway.request_handle"):
+        response = await gateway.client.post(CHAT, json=chat(stream=True))
+    assert content(response.text) == "a b "
+    *_, failure, done = events(response.text)
+    assert failure.data["error"]["code"] == "replies_lost"
+    assert "resumed from before events the client already has (1..1)" in str(failure.data)
+    assert done.data == DONE
+    assert "run 1 resumed at seq 1" in caplog.text
+
+
+async def resumed(job: Job) -> AsyncIterator[Sequence[Event]]:
+    yield [token(job, 0, "a ")]
+    yield [replace(token(job, 1, "b "), attempt=1), replace(token(job, 1, "b "), attempt=1)]
+    yield [finish(job, 2, 2)]  # attempt 0 again: a later stage's own first run
+
+
+async def test_a_run_that_resumes_where_the_client_is_goes_on(gateway: LiveGateway) -> None:
+    gateway.workers[0].script = resumed
+    response = await gateway.client.post(CHAT, json=chat())
+    assert response.json()["choices"][0]["message"]["content"] == "a b "
 
 
 # -------------------------------------------------------------------- errors and time

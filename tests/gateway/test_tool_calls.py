@@ -188,13 +188,15 @@ async def test_length_cut_call_keeps_finish_reason_length(hermes_gateway: LiveGa
 
 
 async def test_a_call_cut_by_a_migration_still_arrives_whole(hermes_gateway: LiveGateway) -> None:
-    """Attempt 0 dies mid-call; attempt 1 (another worker) repeats two events the
-    gateway already has, then goes on: the parse runs on the delivered text."""
+    """Attempt 0 dies mid-call; attempt 1 (another worker) goes on from the seq the
+    journal kept (a retried write repeats one event): the parse runs on the delivered
+    text."""
 
     async def migrated(job: Job) -> AsyncIterator[Sequence[Event]]:
         for seq in range(5):
             yield [replace(token(job, seq, HERMES_CALL[seq]), attempt=0)]
-        for seq in range(3, len(HERMES_CALL)):
+        yield [replace(token(job, 4, HERMES_CALL[4]), attempt=0)]
+        for seq in range(5, len(HERMES_CALL)):
             yield [replace(token(job, seq, HERMES_CALL[seq]), attempt=1)]
         yield [replace(finish(job, len(HERMES_CALL), 8), attempt=1)]
 
