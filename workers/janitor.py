@@ -10,10 +10,11 @@ Every ``interval_s``:
    that heartbeats that lapsed during it can resume. Safety net: an entry nobody
    renewed for ``STALE_ENTRY_MS`` is restarted, logged as ``SAFETY_NET_LOG``.
 3. Restart this worker's own entries that nothing here starts, runs or writes
-   (idle for ``LOST_ENTRY_IDLE_MS``): Redis lost the write that acked them (a
-   fail-over or a restart drops its last acknowledged writes: a prefill's
-   forward, a finish), or a read's reply never arrived. Right after Redis
-   trouble that is expected (a warning); with none it is a bug (``SAFETY_NET_LOG``).
+   (idle for ``LOST_ENTRY_IDLE_MS``, and seen so for ``LOST_CONFIRM_S``): Redis
+   lost the write that acked them (a fail-over or a restart drops its last
+   acknowledged writes: a prefill's forward, a finish), or a read's reply never
+   arrived. Right after Redis trouble that is expected (a warning); with none it
+   is a bug (``SAFETY_NET_LOG``).
 4. Every ``orphan_check_s``: abort running jobs whose gateway is gone.
 """
 
@@ -44,6 +45,9 @@ SAFETY_NET_LOG = "SAFETY NET"
 """Marks the log line of a job served by the stale-entry reclaim (tests fail on it)."""
 LOST_ENTRY_IDLE_MS = 2_000
 """An own entry nothing here has touched for this long was lost (renewals: every 0.5 s)."""
+LOST_CONFIRM_S = 1.0
+"""...once it is still idle and not in hand this much later: a read's reply that was on
+its way while this worker (or Redis) stalled has reached the consumer by then."""
 TROUBLE_WINDOW_S = 60.0
 """Own entries found lost this soon after Redis trouble are put down to it."""
 
@@ -89,6 +93,8 @@ class Reclaimer:
         self._start = start
         self._in_hand = in_hand
         """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
+        self._suspects: dict[str, dict[str, float]] = {}
+        """Per stream: own entries found idle and not in hand, and since when."""
 
     async def reclaim(self, free_slots: Callable[[], int]) -> None:
         for stream in list(self._streams):  # adapters' streams come and go meanwhile
@@ -128,7 +134,11 @@ class Reclaimer:
             # Asked after the read: an entry that left our hands since was acked (and
             # deleted) first, so the claim below skips it.
             in_hand = self._in_hand()
-            lost = [entry for entry in idle if entry not in in_hand][:free]
+            now = time.monotonic()
+            earlier = self._suspects.get(stream.name, {})
+            suspects = {e: earlier.get(e, now) for e in idle if e not in in_hand}
+            lost = [e for e, since in suspects.items() if now - since >= LOST_CONFIRM_S][:free]
+            self._suspects[stream.name] = {e: t for e, t in suspects.items() if e not in lost}
             deliveries = await self._queue.claim(
                 stream, self._worker_id, min_idle_ms=LOST_ENTRY_IDLE_MS, ids=lost
             )

@@ -8,6 +8,8 @@ fast instead of hanging a caller for a minute (asyncpg's default connect timeout
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from sqlalchemy.ext.asyncio import (
 from shared.errors import DatabaseUnavailable
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
+WAL_SWITCH_RETRY_S = 0.02
 PG_CONNECT_TIMEOUT_S = 5.0
 PG_COMMAND_TIMEOUT_S = 30.0
 
@@ -116,10 +119,31 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        _use_wal(cursor)
     finally:
         cursor.close()
+
+
+def _use_wal(cursor: Any) -> None:
+    """Switch the file to WAL (it stays so: later connections only read the mode).
+
+    The switch needs an exclusive lock and SQLite does not wait for it (the busy timeout
+    does not apply): two processes opening a new file at once (two ``conveyor db
+    upgrade``, two gateways) found it "locked". Try again for the busy timeout.
+    """
+    cursor.execute("PRAGMA journal_mode")
+    if str(cursor.fetchone()[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(WAL_SWITCH_RETRY_S)  # at connect, on the first open of a new file only
 
 
 def _sqlite_begin(connection: Any) -> None:

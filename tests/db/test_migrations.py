@@ -4,8 +4,11 @@ the migrations (autogenerate finds nothing), on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 from alembic.autogenerate import compare_metadata
@@ -13,7 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 
-from gateway.db.engine import Database
+from gateway.db.engine import Database, open_database
 from gateway.db.models import Base
 from gateway.db.schema import (
     current_revision,
@@ -88,15 +91,38 @@ async def test_a_revision_this_code_does_not_know_is_reported(database: Database
 
 
 def test_two_processes_migrating_at_once_take_turns(sql_target: SqlTarget) -> None:
-    """Two `conveyor db upgrade` (or two gateways on the embedded file) at once: both end
-    well, the second finding the schema at head (Alembic's context is process-global, so
-    this takes two processes)."""
+    """Several `conveyor db upgrade` (or gateways on the embedded file) at once on a new
+    database: all end well, the later ones finding the schema at head (Alembic's context
+    is process-global, so this takes processes). On SQLite they also race to switch the
+    new file to WAL, which SQLite does not wait for (it said "database is locked" to
+    about one pair in eight)."""
     env = {**os.environ, "CONVEYOR_DATABASE_URL": sql_target.url}
     command = [sys.executable, "-m", "conveyor.cli", "db", "upgrade"]
     processes = [
         subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for _ in range(2)
+        for _ in range(4)
     ]
     outputs = [process.communicate(timeout=120)[0].decode() for process in processes]
-    assert [process.returncode for process in processes] == [0, 0], outputs
+    assert [process.returncode for process in processes] == [0] * 4, outputs
     assert all(f"current: {head_revision()}" in output for output in outputs)
+
+
+async def test_a_new_sqlite_file_another_process_is_writing_still_opens_in_wal(
+    tmp_path: Path,
+) -> None:
+    """The switch to WAL on a new file does not wait for a lock (SQLite ignores the busy
+    timeout there): another process in the middle of its first write made it fail at
+    once with "database is locked". It waits now, and the file ends up in WAL."""
+    path = tmp_path / "conveyor.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("CREATE TABLE first_write (x INTEGER)")
+    other.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.3, other.execute, ("COMMIT",)).start()
+    database = open_database(f"sqlite+aiosqlite:///{path}")
+    try:
+        async with database.engine.connect() as connection:
+            mode = await connection.exec_driver_sql("PRAGMA journal_mode")
+            assert mode.scalar() == "wal"
+    finally:
+        await database.dispose()
+        other.close()

@@ -4,10 +4,12 @@ test_worker_intake.py, where the reclaimed job resumes or is refused.)"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import pytest
+import redis
 
 from shared import keys
 from shared.protocol import FinishEvent, GenerateJob, encode
@@ -22,7 +24,14 @@ from tests.unit.worker_harness import (
     worker,
 )
 from tests.waiting import eventually
-from workers.janitor import JANITOR_INTERVAL_S, SAFETY_NET_LOG, STALL_S, stall_check
+from workers.janitor import (
+    JANITOR_INTERVAL_S,
+    LOST_CONFIRM_S,
+    LOST_ENTRY_IDLE_MS,
+    SAFETY_NET_LOG,
+    STALL_S,
+    stall_check,
+)
 
 WORKER = "w-test"
 
@@ -124,5 +133,34 @@ async def test_jobs_starting_running_or_writing_are_never_taken_for_lost(
         await w.drained()
     ran = [job_id for job_id, _, _ in engine.requests]
     assert len(ran) == len(set(ran)) == 23
+    assert not _lines(caplog, SAFETY_NET_LOG)
+    assert not _lines(caplog, "Redis lost their acks")
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("redis_target", ["real"], indirect=True)
+async def test_a_read_whose_reply_waited_out_a_stall_is_started_once(
+    redis_target: RedisTarget, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis hands the worker a job while the worker's event loop stalls: the entry is
+    idle past the lost-entry age before the worker has read the reply. The janitor's
+    next pass sees it idle and not in hand, but waits to see it so again: by then the
+    consumer has it, and it runs once. (Real Redis: fakeredis serves no blocked read
+    while the loop stalls.)"""
+    caplog.set_level(logging.WARNING)
+    engine = FakeEngine(tokens=3)
+    producer = redis.Redis.from_url(redis_target.url)
+    try:
+        async with worker(redis_target, engine, worker_id=WORKER) as w:
+            await _warm(w)
+            await asyncio.sleep(0.2)  # the worker's next read is waiting on Redis
+            producer.xadd(STREAM, encode(make_job("late")))
+            time.sleep(LOST_ENTRY_IDLE_MS / 1000 + 0.5)  # noqa: ASYNC251 (the worker stalls)
+            await w.final_events("late")
+            await asyncio.sleep(LOST_CONFIRM_S + 2 * JANITOR_INTERVAL_S)
+            await w.drained()
+    finally:
+        producer.close()
+    assert [job_id for job_id, _, _ in engine.requests].count("late/0") == 1
     assert not _lines(caplog, SAFETY_NET_LOG)
     assert not _lines(caplog, "Redis lost their acks")
