@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
+from typing import NoReturn
 
 from gateway.plan import Deadline
 from gateway.request_tally import RequestTally
@@ -137,7 +138,7 @@ class RequestHandle:
         self._attempt[event.index] = event.attempt
         return True
 
-    def _rolled_back(self, event: Event, expected: int) -> None:
+    def _rolled_back(self, event: Event, expected: int) -> NoReturn:
         """A new run of the job began before what this request already has: Redis lost
         the writes of the tokens sent since (a fail-over), so the new run continues a
         shorter text than the client's, and the two cannot be joined."""

@@ -273,9 +273,10 @@ class BackendUnavailable(RetryableError):
 
 
 class RepliesLost(BackendUnavailable):
-    """Events of a sequence never reached the gateway (a seq gap): Redis lost writes it had
-    acknowledged, as a fail-over to a replica that lagged can. The text so far has holes,
-    so the request ends with this error rather than passing them on."""
+    """Redis lost reply writes it had acknowledged, as a fail-over to a replica that lagged
+    can: events of a sequence never reached the gateway (a seq gap), or a new run resumed
+    before events the client already has. The text so far has a hole or cannot be
+    continued, so the request ends with this error rather than passing it on."""
 
     code = "replies_lost"
 

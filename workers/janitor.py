@@ -131,6 +131,9 @@ class Reclaimer:
             idle = await self._queue.idle_own_entries(
                 stream, self._worker_id, min_idle_ms=LOST_ENTRY_IDLE_MS, count=free
             )
+            if not idle:  # the usual pass: nothing to compare with what is in hand
+                self._suspects.pop(stream.name, None)
+                continue
             # Asked after the read: an entry that left our hands since was acked (and
             # deleted) first, so the claim below skips it.
             in_hand = self._in_hand()
