@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     model: Path = args.model.resolve()
     if not (model / "config.json").exists():
-        from shared.demo_model import write_demo_model
+        from shared.demo.model import write_demo_model
 
         print(f"writing the demo model to {model}", flush=True)
         write_demo_model(model)

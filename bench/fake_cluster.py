@@ -22,10 +22,10 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.job_queue import JobQueue
+from gateway.dispatch.reply_router import ReplyRouter, StreamInterrupted
 from shared.protocol import FinishEvent, GenerateJob, SamplingOptions, TokenEvent
-from shared.reply_stream import ReplyRouter, StreamInterrupted
+from shared.queue import names
+from shared.queue.job_queue import JobQueue
 from shared.roles import Role
 
 MODEL = "fake-model"
@@ -53,7 +53,7 @@ def start_redis(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def run_worker(url: str, slots: int, tokens: int, step_s: float) -> None:
-    from shared.redis_conn import connect
+    from shared.connections.connect import connect
     from shared.settings import Settings
     from tests.unit.worker_harness import FakeEngine
     from workers.assembly import WorkerPolicy, build_worker
@@ -87,8 +87,8 @@ class Load:
     def __init__(self, client: aioredis.Redis, max_tokens: int, prompt_tokens: int) -> None:
         self.client = client
         self.queue = JobQueue(client)
-        self.router = ReplyRouter(client, keys.reply_stream(GATEWAY))
-        self.stream = keys.job_stream(MODEL, Role.AGGREGATED)
+        self.router = ReplyRouter(client, names.reply_stream(GATEWAY))
+        self.stream = names.job_stream(MODEL, Role.AGGREGATED)
         self.max_tokens = max_tokens
         self.prompt = [1000 + i % 30_000 for i in range(prompt_tokens)]  # 3 msgpack bytes each
         self.tally = Tally()
@@ -141,7 +141,7 @@ class Load:
 
 async def gateway_alive(client: aioredis.Redis, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        await client.set(keys.gateway_heartbeat(GATEWAY), b"1", ex=10)
+        await client.set(names.gateway_heartbeat(GATEWAY), b"1", ex=10)
         await asyncio.sleep(1)
 
 
@@ -156,7 +156,7 @@ def start_workers(url: str, count: int, slots: int, tokens: int, step_s: float) 
 def wait_for_workers(url: str, count: int) -> None:
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 120
-    while len(list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))) < count:
+    while len(list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{count} fake-engine workers did not start")
         time.sleep(0.2)

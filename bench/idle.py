@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model: Path = args.model.resolve()
     if not (model / "config.json").exists():
-        from shared.demo_model import write_demo_model
+        from shared.demo.model import write_demo_model
 
         print(f"writing the demo model to {model}", flush=True)
         write_demo_model(model)

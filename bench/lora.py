@@ -1,7 +1,7 @@
 """LoRA numbers: adapter load time, and throughput of a 50/50 base/adapter mix vs base only.
 
 Starts one real `conveyor worker` (vLLM) on the demo model and drives it through Redis as
-the gateway does: desired adapters via shared/adapters.py, jobs on the model's and the
+the gateway does: desired adapters via shared/queue/lora_registry.py, jobs on the model's and the
 adapters' streams, tokens read off a reply stream. Closed loop: ``--concurrency``
 requests in flight, each ``--max-tokens`` tokens (EOS ignored). It FLUSHES the Redis
 database of ``--redis-url``.
@@ -33,13 +33,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys
-from shared.adapters import LOADED, AdapterSpec, adapter_stream, publish_desired
-from shared.demo_lora import write_demo_lora
-from shared.demo_model import write_demo_model
-from shared.job_queue import JobQueue
-from shared.liveness import WorkerRegistration, WorkerRegistry
+from shared.demo.lora import write_demo_lora
+from shared.demo.model import write_demo_model
 from shared.protocol import ErrorEvent, FinishEvent, GenerateJob, SamplingOptions, decode_events
+from shared.queue import names
+from shared.queue.job_queue import JobQueue
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.lora_registry import LOADED, AdapterSpec, adapter_stream, publish_desired
 from shared.roles import Role
 
 MODEL = "bench-tiny"
@@ -145,7 +145,7 @@ class Driver:
         self._queue = JobQueue(client)
         self._args = args
         self._waiting: dict[str, asyncio.Future[int]] = {}
-        self._reply = keys.reply_stream(GATEWAY)
+        self._reply = names.reply_stream(GATEWAY)
         self._stop = asyncio.Event()
 
     async def run(self, adapters: list[str | None]) -> tuple[float, int]:
@@ -187,7 +187,7 @@ class Driver:
             ),
         )
         future = self._waiting[job.request_id] = asyncio.get_running_loop().create_future()
-        stream = adapter_stream(adapter) if adapter else keys.job_stream(MODEL, Role.AGGREGATED)
+        stream = adapter_stream(adapter) if adapter else names.job_stream(MODEL, Role.AGGREGATED)
         await self._queue.submit(stream, [job], max_depth=100_000)
         return int(await future)
 
@@ -231,7 +231,7 @@ async def measure(
 ) -> dict[str, Run]:
     client = aioredis.Redis.from_url(args.redis_url)
     await client.flushdb()
-    await client.set(keys.gateway_heartbeat(GATEWAY), b"1", ex=3600)
+    await client.set(names.gateway_heartbeat(GATEWAY), b"1", ex=3600)
     results: dict[str, Run] = {}
     try:
         with worker(model, args.redis_url, log, **env) as process:

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from bench.servers import conveyor_server, running
-from shared.demo_lora import write_demo_lora
-from shared.demo_model import write_demo_model
+from shared.demo.lora import write_demo_lora
+from shared.demo.model import write_demo_model
 
 MODEL = "bench-tiny"
 

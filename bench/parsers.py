@@ -1,7 +1,7 @@
 """CPU cost of reading streamed output for tool calls and reasoning, per token.
 
 ``python -m bench.parsers``: feeds recorded-format outputs token by token through
-:class:`gateway.output_parsing.ChoiceOutput` (what the gateway does for each token
+:class:`gateway.openai.output_parsing.ChoiceOutput` (what the gateway does for each token
 event of a request with tools) and prints microseconds per token. The end-to-end
 effect on throughput is measured with ``bench.bench --variant ... --tools-for``.
 """
@@ -12,8 +12,8 @@ import argparse
 import random
 import time
 
-from gateway.output_parsing import ChoiceOutput, OutputParser
-from gateway.tool_parsers import hermes, llama3_json, mistral, required
+from gateway.openai.output_parsing import ChoiceOutput, OutputParser
+from gateway.openai.tool_parsers import hermes, llama3_json, mistral, required
 
 WORDS = ["the", " sea", " is", " calm", ",", " and", " ships", " sail", ".", "\n", " 42"]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"query": "QUERY"}}\n</tool_call>'

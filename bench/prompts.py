@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.tokenizer import ModelTokenizer
+from gateway.catalog.tokenizer import ModelTokenizer
 
 Endpoint = Literal["chat", "completions"]
 

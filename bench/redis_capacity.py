@@ -34,9 +34,9 @@ from bench.fake_cluster import (
     stop_workers,
     wait_for_workers,
 )
-from shared import keys
-from shared.job_queue import JobQueue
-from shared.redis_conn import connect
+from shared.connections.connect import connect
+from shared.queue import names
+from shared.queue.job_queue import JobQueue
 from shared.roles import Role
 
 
@@ -93,9 +93,9 @@ async def memory(url: str, *, requests: int, prompt_tokens: int, seconds: float)
     idle = JobQueue(client)
     jobs = [load.job(uuid.uuid4().hex) for _ in range(requests)]
     for job in jobs:  # a model no worker serves: the jobs stay queued
-        await idle.submit(keys.job_stream("idle-model", Role.AGGREGATED), [job], max_depth=10**6)
+        await idle.submit(names.job_stream("idle-model", Role.AGGREGATED), [job], max_depth=10**6)
     queued = dataset_bytes(sync) - base
-    await client.delete(keys.job_stream("idle-model", Role.AGGREGATED))
+    await client.delete(names.job_stream("idle-model", Role.AGGREGATED))
     print(f"  {requests} queued jobs: {queued / requests * 1000 / 2**20:.2f} MiB per 1k")
     stop = asyncio.Event()
     tasks = [
@@ -125,7 +125,7 @@ async def memory(url: str, *, requests: int, prompt_tokens: int, seconds: float)
 async def all_running(client: redis.Redis, stream: str, count: int) -> None:
     """Every job is leased by a worker (pending in the group), none still queued."""
     for _ in range(1200):
-        pending: dict[str, Any] = client.xpending(stream, keys.JOB_GROUP)  # type: ignore[assignment]
+        pending: dict[str, Any] = client.xpending(stream, names.JOB_GROUP)  # type: ignore[assignment]
         if int(pending["pending"]) >= count:
             return
         await asyncio.sleep(0.1)

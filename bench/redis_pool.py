@@ -1,4 +1,4 @@
-"""Client CPU per Redis command with each connection pool (shared/redis_pool.py's reason).
+"""Client CPU per Redis command with each connection pool (shared/connections/pool.py's reason).
 
     python -m bench.redis_pool [--url redis://127.0.0.1:6379/15] [--commands 5000]
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 import uvloop
 
-from shared.redis_pool import BoundedConnectionPool
+from shared.connections.pool import BoundedConnectionPool
 
 POOLS: dict[str, Callable[[str], aioredis.ConnectionPool]] = {
     "blocking (redis-py)": lambda url: aioredis.BlockingConnectionPool.from_url(

@@ -259,12 +259,12 @@ def drop_stale_jobs(redis_url: str, served_name: str) -> None:
     """Forget jobs a killed earlier run left in the bench's Redis db for this model."""
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(redis_url)
     try:
         client.delete(
-            *(keys.job_stream(served_name, role) for role in ("aggregated", "prefill", "decode"))
+            *(names.job_stream(served_name, role) for role in ("aggregated", "prefill", "decode"))
         )
     finally:
         client.close()
@@ -276,11 +276,11 @@ def kv_transfers(redis_url: str, served_name: str) -> tuple[int, float]:
 
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(redis_url)
     try:
-        names = list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
+        names = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
         workers = [json.loads(v) for v in (client.mget(names) if names else []) if v]
     finally:
         client.close()

@@ -176,11 +176,11 @@ def _cache_hits(redis_url: str) -> int | None:
 
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(redis_url)
     try:
-        for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+        for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN):
             value = client.get(key)
             stats = json.loads(value).get("embedding_cache") if value else None
             if stats:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-vision-"))
     model = args.model
     if model is None:
-        from shared.demo_model import write_demo_model
+        from shared.demo.model import write_demo_model
 
         model = write_demo_model(Path(f"/tmp/demo-model-{args.kind}"), kind=args.kind)
     pictures = {f"{i}.png": _noise_png(i, args.image_size) for i in range(args.requests)}

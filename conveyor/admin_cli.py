@@ -31,8 +31,8 @@ from gateway.control.usage_report import usage_report
 from gateway.db import schema
 from gateway.db.engine import Database, open_database
 from gateway.db.usage_repo import GroupBy, UsageFilter
+from shared.connections.url import async_client
 from shared.errors import ConveyorError, InvalidRequest
-from shared.redis_url import async_client
 from shared.settings import Settings
 
 ADMIN_COMMANDS = {

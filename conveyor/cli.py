@@ -18,6 +18,7 @@ import httpx
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
+from conveyor.model_source import with_model
 from shared.settings import SETTING_GROUPS, Mode, Role, Settings, own_fields
 
 log = logging.getLogger("conveyor")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in _SUBCOMMAND_HELP.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == "demo-model":
-            from shared.demo_model import KINDS  # stdlib only: cheap
+            from shared.demo.model import KINDS  # stdlib only: cheap
 
             command.add_argument("path", type=Path)
             command.add_argument("--seed", type=int, default=0)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return write_lora(args.path, base=args.base, seed=args.seed)
     if args.command == "demo-model":
         _setup_logging("INFO")
-        from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
+        from shared.demo.model import DEMO_MODEL_NOTICE, write_demo_model
 
         write_demo_model(args.path, seed=args.seed, kind=args.kind)
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
@@ -133,20 +134,20 @@ def main(argv: list[str] | None = None) -> int:
         return run_admin(args, settings)
     _setup_logging(settings.log_level)
     if args.command == "gateway":
-        return run_gateway(settings)
+        return run_gateway(with_model(settings))
     if args.command == "worker":
         from workers.main import run_worker
 
-        return run_worker(settings)
+        return run_worker(settings if settings.role is Role.EMBED else with_model(settings))
     return run_up(settings)
 
 
 def write_lora(path: Path, *, base: Path | None, seed: int) -> int:
     """`conveyor demo-model PATH --kind lora [--base MODEL_DIR]`."""
-    from shared.demo_lora import write_demo_lora
+    from shared.demo.lora import write_demo_lora
 
     if base is None:
-        from shared.demo_model import write_demo_model
+        from shared.demo.model import write_demo_model
 
         base = write_demo_model(Settings().demo_model_path())
     try:
@@ -195,16 +196,7 @@ def run_up(settings: Settings) -> int:
     redis_process = None
     if not redis_answers(settings.redis_url):
         redis_process = start_private_redis(settings.redis_url, settings.data_dir)
-    if settings.model is None:
-        from shared.demo_model import DEMO_MODEL_NOTICE, write_demo_model
-        from shared.model_source import demo_kind
-
-        kind = demo_kind(settings)
-        path = write_demo_model(settings.demo_model_path(kind), kind=kind)
-        settings = settings.model_copy(
-            update={"model": str(path.resolve()), "served_model_name": settings.served_name()}
-        )
-        log.warning(DEMO_MODEL_NOTICE)
+    settings = with_model(settings)
     if settings.lora_demo:
         from conveyor.lora_cli import preload_demo_lora
 
@@ -238,7 +230,7 @@ def _forget_worker(redis_url: str) -> Callable[[int], None]:
     """A dead worker leaves the registry at once, so its jobs are reclaimed at once."""
 
     def forget(pid: int) -> None:
-        from shared.liveness import forget_dead_process
+        from shared.queue.liveness import forget_dead_process
 
         for worker_id in forget_dead_process(redis_url, pid):
             log.info("worker %s is gone; the others take over its jobs now", worker_id)

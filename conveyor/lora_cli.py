@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.control.lora_service import LoraService
-from shared.adapters import SERVING_ROLE, AdapterSpec
-from shared.liveness import WorkerRegistry
-from shared.model_redis import ModelRedis
-from shared.redis_conn import connect
+from shared.connections.connect import connect
+from shared.connections.model_redis import ModelRedis
+from shared.queue.liveness import WorkerRegistry
+from shared.queue.lora_registry import SERVING_ROLE, AdapterSpec
 from shared.settings import Settings
 
 
@@ -147,7 +147,7 @@ async def _preload(settings: Settings) -> None:
     import logging
 
     from conveyor.admin_cli import open_control
-    from shared.demo_lora import write_demo_lora
+    from shared.demo.lora import write_demo_lora
 
     folder = (settings.data_dir / DEMO_LORA_NAME).resolve()
     if not (folder / "adapter_config.json").exists():

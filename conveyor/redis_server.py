@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from redis.exceptions import RedisError
 
-from shared.redis_url import is_sentinel_url, parse_sentinel_url, sync_client
+from shared.connections.url import is_sentinel_url, parse_sentinel_url, sync_client
 
 log = logging.getLogger(__name__)
 

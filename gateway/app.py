@@ -18,22 +18,21 @@ from redis.exceptions import RedisError
 
 from gateway.auth import check_auth_settings
 from gateway.body_limit import BodySizeLimit
+from gateway.catalog.served_models import ModelCatalog, ModelKind, load_model
 from gateway.control.plane import ControlPlane
+from gateway.dispatch.cells import build_cells, shown_url
 from gateway.error_handlers import install_error_handlers
-from gateway.image_fetch import FetchPolicy, ImageFetcher
-from gateway.image_inputs import ImageInputs
+from gateway.images.fetch import FetchPolicy, ImageFetcher
+from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
-from gateway.model_catalog import ModelCatalog, ModelKind, load_model
-from gateway.redis_cells import build_cells, shown_url
 from gateway.routes import admin, health, loras, metrics, openai, workers
+from gateway.serving.translate import UnknownFieldLog
 from gateway.state import GatewayState
-from gateway.translate import UnknownFieldLog
-from shared import keys
+from shared.connections.connect import connect
+from shared.connections.model_redis import ModelRedis, check_served
 from shared.images import ImageLimits
-from shared.media_store import ImageStore
-from shared.model_redis import ModelRedis, check_served
-from shared.model_source import resolve_model_path
-from shared.redis_conn import connect
+from shared.queue import names
+from shared.queue.media_store import ImageStore
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 
@@ -74,7 +73,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             for cell in state.cells.all():
                 with contextlib.suppress(RedisError):
                     await cell.redis.delete(
-                        keys.gateway_heartbeat(state.gateway_id), cell.router.stream
+                        names.gateway_heartbeat(state.gateway_id), cell.router.stream
                     )
             await state.images.aclose()
             await model_redis.aclose()
@@ -105,10 +104,16 @@ def _new_gateway_id() -> str:
     return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _model_path(settings: GatewaySettings) -> str:
+    if settings.model is None:
+        raise ValueError("no model: set --model (`conveyor gateway` serves the demo model then)")
+    return settings.model
+
+
 def _load_catalog(settings: GatewaySettings) -> ModelCatalog:
     catalog = ModelCatalog.load(
         settings.served_name(),
-        resolve_model_path(settings),
+        _model_path(settings),
         settings.max_model_len,
         (settings.tool_call_parser, settings.reasoning_parser),
     )

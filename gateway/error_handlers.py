@@ -1,6 +1,6 @@
 """The one funnel from exceptions to OpenAI-shaped error responses.
 
-Every error body, here and inside a stream (gateway/delivery.py), is built by
+Every error body, here and inside a stream (gateway/serving/delivery.py), is built by
 :func:`shared.errors.openai_error`.
 """
 

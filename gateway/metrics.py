@@ -24,14 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared import keys
-from shared.usage import UsageRecord
+from shared.queue import names
+from shared.queue.usage import UsageRecord
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from gateway.state import GatewayState
-    from shared.liveness import WorkerRegistration
+    from shared.queue.liveness import WorkerRegistration
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -165,7 +165,7 @@ class _ScrapeGauges:
         """One Redis's live workers and the depth of their job streams."""
         for (model, role), count in Tally((w.model, w.role.value) for w in live).items():
             self.workers.labels(model, role).set(count)
-        streams = sorted({keys.job_stream(w.model, w.role) for w in live})
+        streams = sorted({names.job_stream(w.model, w.role) for w in live})
         depths: list[Any] = []
         if streams:
             async with redis.pipeline(transaction=False) as pipe:

@@ -8,12 +8,12 @@ from typing import Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
+from gateway.catalog.served_models import ModelCatalog
 from gateway.control.plane import ControlPlane
-from gateway.image_inputs import ImageInputs
+from gateway.dispatch.cells import RedisCells
+from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics
-from gateway.model_catalog import ModelCatalog
-from gateway.redis_cells import RedisCells
-from gateway.translate import UnknownFieldLog
+from gateway.serving.translate import UnknownFieldLog
 from shared.settings import GatewaySettings
 
 
@@ -27,7 +27,7 @@ class GatewayState:
     catalog: ModelCatalog
     cells: RedisCells
     """One per Redis: reply stream + router, worker directory, dispatcher, images, the
-    adapter watch (gateway/redis_cells.py)."""
+    adapter watch (gateway/dispatch/cells.py)."""
     unknown_fields: UnknownFieldLog
     images: ImageInputs
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

@@ -101,7 +101,7 @@ class GenerateJob(
     """Encode stage: the role (stage) the job goes to once its images are encoded."""
     adapter: str | None = None
     """The LoRA adapter to run with (its registered name; ``model`` is that name too, so
-    the job travels on the adapter's own streams: see shared/adapters.py)."""
+    the job travels on the adapter's own streams: see shared/queue/lora_registry.py)."""
 
     @property
     def job_id(self) -> str:
@@ -222,7 +222,7 @@ class WorkerCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kin
     command_id: str
     worker_id: str
     command: str
-    """A :class:`shared.worker_commands.Command` value (a plain string on the wire, so a
+    """A :class:`shared.queue.worker_commands.Command` value (a plain string on the wire, so a
     command a worker does not know is answered, not dropped as undecodable)."""
     timeout_s: float
     """How long the sender waits: the worker answers within it."""
@@ -234,7 +234,7 @@ class WorkerCommandResult(
     command_id: str
     worker_id: str
     status: str
-    """A :class:`shared.worker_commands.CommandStatus` value."""
+    """A :class:`shared.queue.worker_commands.CommandStatus` value."""
     detail: str
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.model_redis import parse_model_redis_urls
+from shared.connections.model_redis import parse_model_redis_urls
 from shared.roles import Role
 
 __all__ = [
@@ -295,7 +295,7 @@ class GatewaySettings(ImageSettings):
         return value
 
     def model_redis_map(self) -> dict[str, str]:
-        """CONVEYOR_MODEL_REDIS_URLS as {model: url} (shared/model_redis.py)."""
+        """CONVEYOR_MODEL_REDIS_URLS as {model: url} (shared/connections/model_redis.py)."""
         return parse_model_redis_urls(self.model_redis_urls)
 
 
@@ -365,7 +365,7 @@ class WorkerSettings(ImageSettings):
     enable_lora: bool = Field(
         False,
         description="vLLM aggregated workers: serve LoRA adapters (the registry's desired "
-        "state, shared/adapters.py). Off by default, as in vLLM: an engine with LoRA on "
+        "state, shared/queue/lora_registry.py). Off by default, as in vLLM: an engine with LoRA on "
         "runs its LoRA ops on every step, which cost base-model traffic about a fifth of "
         "its throughput on CPU. Off: every registered adapter is reported failed here.",
     )

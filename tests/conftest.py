@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 from fakeredis.aioredis import FakeRedis
 from redis.exceptions import RedisError
 
-from gateway.model_catalog import ServedModel
-from gateway.tokenizer import ModelTokenizer
+from gateway.catalog.served_models import ServedModel
+from gateway.catalog.tokenizer import ModelTokenizer
 from tests.support.tiny_model import build_tokenizer_folder, tiny_served_model
 
 REAL_REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")

@@ -1,6 +1,6 @@
 """Journal scripts with faults injected: the real Lua, and Redis failing on demand.
 
-Passed to :class:`workers.journal.RunJournal` (``scripts=``) or to
+Passed to :class:`workers.journal.run_journal.RunJournal` (``scripts=``) or to
 :func:`workers.assembly.build_worker`, so tests make Redis fail for the journal
 without reaching into its attributes.
 """
@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.journal_scripts import BeginArgs, JournalScripts, WriteHeader, WriteRow
+from workers.journal.scripts import BeginArgs, JournalScripts, WriteHeader, WriteRow
 
 
 class FaultyScripts(JournalScripts):

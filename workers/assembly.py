@@ -12,20 +12,20 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.job_queue import JobQueue, JobStream
-from shared.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
+from shared.queue import names
+from shared.queue.job_queue import JobQueue, JobStream
+from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
 from shared.settings import WorkerSettings
-from workers.active_jobs import ActiveJobs, Lifecycle
-from workers.adapters import AdapterReconciler, AdapterTiming
-from workers.canary import Canary
-from workers.cancel_listener import CancelListener
-from workers.consumer import JobConsumer, JobReader
-from workers.control import WorkerControl
-from workers.health import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
-from workers.intake import Intake, IntakePolicy
-from workers.janitor import (
+from workers.commands.admin import WorkerControl
+from workers.commands.listener import CancelListener
+from workers.commands.lora_sync import AdapterReconciler, AdapterTiming
+from workers.health.canary import Canary
+from workers.health.status import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
+from workers.intake.active_jobs import ActiveJobs, Lifecycle
+from workers.intake.checks import Intake, IntakePolicy
+from workers.intake.consumer import JobConsumer, JobReader
+from workers.intake.janitor import (
     JANITOR_INTERVAL_S,
     ORPHAN_CHECK_INTERVAL_S,
     Janitor,
@@ -33,9 +33,9 @@ from workers.janitor import (
     Reclaimer,
     stall_check,
 )
-from workers.journal import JOURNAL_RETRY_S, RunJournal
-from workers.journal_scripts import JournalScripts
-from workers.recent_cancels import RecentCancels
+from workers.intake.recent_cancels import RecentCancels
+from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
+from workers.journal.scripts import JournalScripts
 from workers.roles.base import RoleParts
 from workers.runtime import WorkerRuntime
 
@@ -152,7 +152,7 @@ def build_worker(
         if heartbeat_redis_url is None
         else HeartbeatThread(
             heartbeat_redis_url,
-            keys.worker_heartbeat(worker_id),
+            names.worker_heartbeat(worker_id),
             policy.heartbeat_ttl_s,
             lambda: registry.encode(status()),
         )

@@ -13,8 +13,7 @@ import uuid
 
 import uvloop
 
-from shared.model_source import resolve_model_path
-from shared.redis_conn import connect
+from shared.connections.connect import connect
 from shared.roles import Role
 from shared.settings import Settings
 from workers.assembly import WorkerPolicy, build_worker
@@ -37,7 +36,9 @@ def model_of(settings: Settings) -> tuple[str, str]:
         if path is None or name is None:
             raise ValueError("--role embed needs --embed-model (a folder, or `default`)")
         return path, name
-    return resolve_model_path(settings), settings.served_name()
+    if settings.model is None:
+        raise ValueError("no model: set --model (`conveyor worker` serves the demo model then)")
+    return settings.model, settings.served_name()
 
 
 async def serve(settings: Settings) -> int:

@@ -1,21 +1,21 @@
 """The worker loop: consume -> run -> journal -> ack, and the way out.
 
-0. Before the first read: load every registered LoRA adapter (:mod:`workers.adapters`;
+0. Before the first read: load every registered LoRA adapter (:mod:`workers.commands.lora_sync`;
    the worker reports ready only then).
 1. Read up to ``free slots`` jobs from the role's stream (and those of the adapters
    loaded here); the janitor adds jobs reclaimed from dead workers
-   (:mod:`workers.consumer`, :mod:`workers.janitor`).
+   (:mod:`workers.intake.consumer`, :mod:`workers.intake.janitor`).
 2. Lease each read in one round trip and apply the intake checks
-   (:mod:`workers.intake`): drop, fail cleanly, or run.
+   (:mod:`workers.intake.checks`): drop, fail cleanly, or run.
 3. Run the role's job run per job (:mod:`workers.roles`); the engine batches them
-   continuously; the run journal (:mod:`workers.journal`) writes each engine step.
+   continuously; the run journal (:mod:`workers.journal.run_journal`) writes each engine step.
 4. On SIGTERM: stop reading, keep beating as draining, let jobs finish within the
    grace period, hand what is left back to the queue (it migrates), then leave the
    registry. On a dead engine or a journal that gave up: hand back at once, exit 1.
 
 Beside the loop run the helpers :func:`workers.assembly.build_worker` wires in:
-heartbeat and engine monitor (:mod:`workers.health`), the control listener
-(:mod:`workers.cancel_listener`: cancels, and admin commands for :mod:`workers.control`),
+heartbeat and engine monitor (:mod:`workers.health.status`), the control listener
+(:mod:`workers.commands.listener`: cancels, and admin commands for :mod:`workers.commands.admin`),
 the adapter reconciler, the janitor and the idle canary.
 """
 
@@ -29,12 +29,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from shared.liveness import WorkerRegistry
+from shared.queue.liveness import WorkerRegistry
 from shared.tasks import cancel_and_wait
-from workers.active_jobs import ActiveJobs, Lifecycle
-from workers.consumer import JobConsumer
-from workers.janitor import SAFETY_NET_LOG
-from workers.journal import RunJournal
+from workers.intake.active_jobs import ActiveJobs, Lifecycle
+from workers.intake.consumer import JobConsumer
+from workers.intake.janitor import SAFETY_NET_LOG
+from workers.journal.run_journal import RunJournal
 
 __all__ = ["SAFETY_NET_LOG", "WorkerRuntime"]
 

@@ -5,7 +5,7 @@ compares the hashes in constant time: a microsecond, no I/O. The cache stays
 current across gateways:
 
 1. every ``poll_s`` (250 ms) read the Redis generation counter that every key
-   change bumps (``shared.keys.API_KEYS_GENERATION``);
+   change bumps (``shared.queue.names.API_KEYS_GENERATION``);
 2. when it moved, or ``reload_s`` (30 s) passed, reload every non-revoked key from SQL;
 3. when SQL fails, keep serving the keys already known (and say so in ``status()``),
    retrying with backoff.
@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.control import key_secrets
+from gateway.control.ledger import DATABASE_ERRORS
 from gateway.control.records import (
     ADMIN_KEY_ID,
     UNLIMITED,
@@ -39,9 +40,8 @@ from gateway.control.records import (
 )
 from gateway.db import keys_repo
 from gateway.db.engine import first_line
-from gateway.ledger import DATABASE_ERRORS
-from shared import keys
 from shared.errors import InvalidApiKey
+from shared.queue import names
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class KeyCache:
         if self._redis is None:
             return False, None
         try:
-            value: Any = await self._redis.get(keys.API_KEYS_GENERATION)
+            value: Any = await self._redis.get(names.API_KEYS_GENERATION)
         except (RedisError, OSError):
             return False, None
         return True, value.encode() if isinstance(value, str) else value

@@ -1,7 +1,7 @@
 """Creating, reading, changing and revoking API keys (for /admin/keys and the CLI).
 
 Every change commits to SQL first and then bumps the Redis generation counter
-(``shared.keys.API_KEYS_GENERATION``); each gateway's :class:`KeyCache` polls the
+(``shared.queue.names.API_KEYS_GENERATION``); each gateway's :class:`KeyCache` polls the
 counter and reloads, so a revocation reaches every gateway within a second. When
 Redis is down the change still stands: the caches' periodic full reload picks it up.
 """
@@ -23,8 +23,8 @@ from gateway.control.records import UNLIMITED, BudgetPeriod, KeyRecord, Limits, 
 from gateway.db import keys_repo
 from gateway.db.engine import transaction
 from gateway.db.models import ApiKeyRow
-from shared import keys
 from shared.errors import ApiKeyNotFound, ApiKeyRevoked, InvalidRequest
+from shared.queue import names
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ async def bump_key_generation(redis: aioredis.Redis | None) -> str | None:
     if redis is None:
         return "no Redis configured"
     try:
-        await redis.incr(keys.API_KEYS_GENERATION)
+        await redis.incr(names.API_KEYS_GENERATION)
     except (RedisError, OSError) as exc:
         log.warning(
             "api keys changed but Redis is unreachable (%s): gateways reload within "

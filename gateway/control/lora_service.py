@@ -8,7 +8,7 @@ the CLI):
    generation model served here, that a live worker of it serves adapters (else 503);
 2. commit the row, then publish the base model's rows to the desired state
    (:func:`publish`, under a lock per base model: a publish never carries a stale read);
-3. wait for the workers' reports (:func:`shared.adapters.wait_for_rollout`): the answer
+3. wait for the workers' reports (:func:`shared.queue.lora_registry.wait_for_rollout`): the answer
    is the rollout once one worker has it loaded. When every worker refused it (the
    workers check the folder, the rank and the base), or none loaded it in time, the row is
    deleted and the desired state published again: nothing stays registered.
@@ -33,15 +33,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.db import lora_repo
 from gateway.db.engine import transaction
 from gateway.db.models import LoraAdapterRow
-from shared import keys
-from shared.adapters import (
-    SERVING_ROLE,
-    AdapterSpec,
-    Rollout,
-    publish_desired,
-    validate_adapter_name,
-    wait_for_rollout,
-)
 from shared.errors import (
     AdapterConflict,
     AdapterLoadFailed,
@@ -52,7 +43,16 @@ from shared.errors import (
     ModelNotFound,
     NoLiveWorker,
 )
-from shared.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.lora_registry import (
+    SERVING_ROLE,
+    AdapterSpec,
+    Rollout,
+    publish_desired,
+    validate_adapter_name,
+    wait_for_rollout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class LoraService:
         returns its generation. Raises RedisError."""
         redis = self._redis_for(base_model)
         async with redis.lock(
-            keys.adapters_publish_lock(base_model), timeout=PUBLISH_LOCK_S, blocking_timeout=30
+            names.adapters_publish_lock(base_model), timeout=PUBLISH_LOCK_S, blocking_timeout=30
         ):
             async with transaction(self._sessions) as session:
                 rows = await lora_repo.of_base(session, base_model)
@@ -220,7 +220,7 @@ class LoraService:
     @contextlib.asynccontextmanager
     async def _locked(self, name: str) -> AsyncIterator[None]:
         lock = self._redis.lock(
-            keys.adapter_lock(name),
+            names.adapter_lock(name),
             timeout=self._load_timeout_s + 30,
             blocking_timeout=self._load_timeout_s + 30,
         )

@@ -24,14 +24,14 @@ from redis.exceptions import RedisError
 
 from gateway.control.key_cache import KeyCache
 from gateway.control.key_service import KeyService
+from gateway.control.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
+from gateway.control.ledger_retention import retention_loop
 from gateway.control.lora_service import LoraService
+from gateway.control.orphan_usage import OrphanUsageSweep
 from gateway.db.engine import Database, first_line, open_database
 from gateway.db.schema import SchemaStatus, schema_status, upgrade_to_head
-from gateway.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
-from gateway.ledger_retention import retention_loop
-from gateway.orphan_usage import OrphanUsageSweep
 from shared.errors import ConveyorError
-from shared.liveness import GatewayWatch
+from shared.queue.liveness import GatewayWatch
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
 

@@ -17,9 +17,9 @@ from gateway.control.key_secrets import masked
 from gateway.db.models import ApiKeyRow
 from shared.errors import InvalidRequest
 
-# Re-exported: their home is shared.key_limits (admission counts them in Redis).
-from shared.key_limits import BudgetPeriod as BudgetPeriod
-from shared.key_limits import Limits as Limits
+# Re-exported: their home is shared.queue.key_limits (admission counts them in Redis).
+from shared.queue.key_limits import BudgetPeriod as BudgetPeriod
+from shared.queue.key_limits import Limits as Limits
 
 
 class Scope(StrEnum):

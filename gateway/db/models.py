@@ -129,7 +129,7 @@ class UsageRow(Base):
 
 class LoraAdapterRow(Base):
     """A registered LoRA adapter: the desired state (the gateway publishes these rows to
-    Redis, shared/adapters.py; workers of ``base_model`` load them)."""
+    Redis, shared/queue/lora_registry.py; workers of ``base_model`` load them)."""
 
     __tablename__ = "lora_adapters"
 

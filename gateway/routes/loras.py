@@ -4,7 +4,7 @@ All need the ``admin`` scope when auth is on. The work is the control plane's
 (:mod:`gateway.control.lora_service`): SQL first, then the desired state in Redis, then
 the workers' reports. This gateway's catalog is refreshed before answering, so an added
 adapter is served, and a removed one refused (404), here at once; other gateways follow
-within ~0.25 s (:mod:`gateway.adapter_watch`).
+within ~0.25 s (:mod:`gateway.catalog.lora_watch`).
 
 ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
 ``POST /v1/unload_lora_adapter {"lora_name"}`` answer like vLLM's server (plain text
@@ -28,8 +28,8 @@ from gateway.auth import require_scope
 from gateway.control.lora_service import LoraService, Registered
 from gateway.control.records import Scope
 from gateway.state import GatewayState, StateDep
-from shared.adapters import AdapterSpec, Rollout
 from shared.errors import DatabaseUnavailable, InvalidRequest
+from shared.queue.lora_registry import AdapterSpec, Rollout
 
 log = logging.getLogger(__name__)
 

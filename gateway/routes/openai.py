@@ -1,7 +1,7 @@
 """OpenAI routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
 
 The POST routes only read the HTTP request; each hands it to its serving step
-(:mod:`gateway.serving`).
+(:mod:`gateway.serving.endpoints`).
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
-from gateway import limits, serving
 from gateway.auth import require_scope
+from gateway.catalog.served_models import ServedModel
 from gateway.control.records import Principal, Scope
-from gateway.model_catalog import ServedModel
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from gateway.serving import RequestHeaders
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.serving import endpoints as serving
+from gateway.serving import limits
+from gateway.serving.endpoints import RequestHeaders
 from gateway.state import StateDep
 
 Inference = Annotated[Principal, Depends(require_scope(Scope.INFERENCE))]

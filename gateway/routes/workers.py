@@ -1,6 +1,6 @@
 """Worker admin routes: ``GET /admin/workers`` and ``POST /admin/workers/{id}/<command>``
 (drain, resume, clear-kv, sleep, wake) over the worker command channel
-(:mod:`shared.worker_commands`) of the worker's own Redis. ``admin`` scope.
+(:mod:`shared.queue.worker_commands`) of the worker's own Redis. ``admin`` scope.
 
 A worker's answer becomes: ``ok`` 200; ``not_supported`` 501 with the engine's reason
 (vLLM on CPU has no sleep mode: never faked); ``failed`` 500; an unknown worker 404; no
@@ -24,9 +24,9 @@ from shared.errors import (
     WorkerCommandTimeout,
     WorkerNotFound,
 )
-from shared.liveness import WorkerRegistry
 from shared.protocol import WorkerCommandResult
-from shared.worker_commands import Command, CommandStatus, send_worker_command
+from shared.queue.liveness import WorkerRegistry
+from shared.queue.worker_commands import Command, CommandStatus, send_worker_command
 
 router = APIRouter(prefix="/admin/workers", dependencies=[Depends(require_scope(Scope.ADMIN))])
 

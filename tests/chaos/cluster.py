@@ -14,7 +14,7 @@ import psutil
 import redis
 
 from conveyor.redis_server import stop_private_redis
-from shared import keys
+from shared.queue import names
 from shared.roles import Role
 from tests.e2e.stack import Process, Stack, free_port, wait_until
 
@@ -132,8 +132,8 @@ class Cluster:
 
         client = self.redis_client()
         try:
-            names = list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
-            values = client.mget(names) if names else []
+            found = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+            values = client.mget(found) if found else []
             return [json.loads(v) for v in values if v]
         finally:
             client.close()
@@ -146,8 +146,8 @@ class Cluster:
         """
         client = self.redis_client()
         try:
-            stream = keys.job_stream(MODEL_NAME, Role.AGGREGATED)
-            summary = client.xpending(stream, keys.JOB_GROUP) if client.exists(stream) else {}
+            stream = names.job_stream(MODEL_NAME, Role.AGGREGATED)
+            summary = client.xpending(stream, names.JOB_GROUP) if client.exists(stream) else {}
         finally:
             client.close()
         by_consumer = {

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.demo_model import write_demo_model
+from shared.demo.model import write_demo_model
 from tests.chaos import scenarios
 from tests.chaos.checker import HEADER, Report
 from tests.chaos.cluster import Cluster

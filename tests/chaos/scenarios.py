@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from shared.liveness import forget_dead_process
+from shared.queue.liveness import forget_dead_process
 from tests.chaos.checker import Report, check
 from tests.chaos.cluster import Cluster
 from tests.chaos.load import Record, prompts, run_load
@@ -189,18 +189,18 @@ async def overload(cluster: Cluster, factor: int = 10) -> Report:
 
 async def leftovers(cluster: Cluster, timeout_s: float = 15.0) -> dict[str, int]:
     """Everything a finished or abandoned request could leave behind; all must be 0."""
-    from shared import keys
+    from shared.queue import names
     from shared.roles import Role
 
     deadline = time.monotonic() + timeout_s
     while True:
         client = cluster.redis_client()
         try:
-            stream = keys.job_stream("chaos", Role.AGGREGATED)
+            stream = names.job_stream("chaos", Role.AGGREGATED)
             state = {
                 "queued_or_running": int(client.xlen(stream)),
-                "pending_entries": int(client.xpending(stream, keys.JOB_GROUP)["pending"]),
-                "run_journals": len(list(client.scan_iter(keys.RUN_PATTERN))),
+                "pending_entries": int(client.xpending(stream, names.JOB_GROUP)["pending"]),
+                "run_journals": len(list(client.scan_iter(names.RUN_PATTERN))),
                 "engine_requests": sum(
                     int(str(w["engine_running"])) for w in cluster.live_workers()
                 ),

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import redis
 
-from shared.liveness import HeartbeatThread
+from shared.queue.liveness import HeartbeatThread
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
 from tests.waiting import eventually
 

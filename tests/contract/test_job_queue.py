@@ -10,8 +10,6 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import keys
-from shared.job_queue import Admission, JobQueue, JobStream
 from shared.protocol import (
     PAYLOAD_FIELD,
     VERSION,
@@ -21,6 +19,8 @@ from shared.protocol import (
     SamplingOptions,
     encode,
 )
+from shared.queue import names
+from shared.queue.job_queue import Admission, JobQueue, JobStream
 from shared.roles import Role
 from tests.conftest import RedisTarget
 
@@ -36,7 +36,7 @@ def make_job(request_id: str, index: int = 0, *, model: str = "m") -> GenerateJo
         model=model,
         prompt_token_ids=[1, 2, 3],
         sampling=SamplingOptions(max_tokens=8, seed=index),
-        reply_to=keys.reply_stream("gw-test"),
+        reply_to=names.reply_stream("gw-test"),
         deadline_unix=now + 60,
         created_unix=now,
     )
@@ -50,7 +50,7 @@ async def queue(redis_backend: aioredis.Redis) -> JobQueue:
 
 
 async def pending_count(redis: aioredis.Redis, stream: str = STREAM) -> int:
-    info = await redis.xpending(stream, keys.JOB_GROUP)
+    info = await redis.xpending(stream, names.JOB_GROUP)
     return int(info["pending"])
 
 
@@ -130,7 +130,7 @@ async def test_idempotency_key_gives_duplicate(
     assert await queue.depth(STREAM) == 2
 
     # The key expires with its TTL and is scoped by model.
-    ttl = await redis_backend.ttl(keys.idempotency("m", "k1"))
+    ttl = await redis_backend.ttl(names.idempotency("m", "k1"))
     assert 0 < ttl <= 3600
     other_model = await queue.submit(
         STREAM, [make_job("x", model="other")], max_depth=10, idempotency_key="k1"
@@ -231,7 +231,7 @@ async def test_ensure_group_is_idempotent(redis_backend: aioredis.Redis) -> None
     await q.ensure_group(stream)
     await q.ensure_group(stream)
     groups = await redis_backend.xinfo_groups(stream)
-    assert [g["name"] for g in groups] == [keys.JOB_GROUP.encode()]
+    assert [g["name"] for g in groups] == [names.JOB_GROUP.encode()]
     # Re-creating did not reset the group: the entry is still delivered once.
     assert len(await q.read([fresh], "c", count=10, block_ms=50)) == 1
     assert await q.read([fresh], "c", count=10, block_ms=10) == []

@@ -7,9 +7,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.job_queue import Admission, JobQueue, JobStream
-from shared.key_limits import (
+from shared.queue import names
+from shared.queue.job_queue import Admission, JobQueue, JobStream
+from shared.queue.key_limits import (
     BudgetPeriod,
     KeyLimitCounters,
     LimitCharge,
@@ -122,7 +122,7 @@ async def test_a_retried_admission_is_not_charged_twice(
     limits = Limits(rpm=5)
     await admit(queue, "r1", limits)
     await admit(queue, "r1", limits)  # its first reply was lost: the retry lands again
-    assert int(await redis_backend.get(keys.key_window("key_a", "rpm", int(NOW // 60)))) == 1
+    assert int(await redis_backend.get(names.key_window("key_a", "rpm", int(NOW // 60)))) == 1
     assert await redis_backend.xlen(JOBS.name) == 1
 
 
@@ -135,4 +135,4 @@ async def test_full_queue_charges_nothing(queue: JobQueue, redis_backend: aiored
         charge=charge("r1", limits),
     )
     assert result.outcome is Admission.FULL
-    assert await redis_backend.get(keys.key_window("key_a", "rpm", int(NOW // 60))) is None
+    assert await redis_backend.get(names.key_window("key_a", "rpm", int(NOW // 60))) is None

@@ -1,4 +1,5 @@
-"""Usage of a request whose gateway died (shared/open_requests.py, gateway/orphan_usage.py):
+"""Usage of a request whose gateway died (shared/queue/open_requests.py,
+gateway/control/orphan_usage.py):
 admission opens it, the run journal tallies what it sent, a sweep on a live gateway
 writes its row exactly once. On fakeredis and the real Redis."""
 
@@ -13,12 +14,13 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.orphan_usage import OrphanUsageSweep
-from shared import keys
-from shared.job_queue import Admission, JobQueue, OpenedBy
-from shared.key_limits import BudgetPeriod, LimitCharge, Limits
-from shared.liveness import GatewayWatch
-from shared.open_requests import (
+from gateway.control.orphan_usage import OrphanUsageSweep
+from shared.protocol import ErrorEvent, FinishEvent
+from shared.queue import names
+from shared.queue.job_queue import Admission, JobQueue, OpenedBy
+from shared.queue.key_limits import BudgetPeriod, LimitCharge, Limits
+from shared.queue.liveness import GatewayWatch
+from shared.queue.open_requests import (
     Finish,
     OpenRequest,
     OpenRequests,
@@ -27,8 +29,7 @@ from shared.open_requests import (
     encode_open,
     orphan_record,
 )
-from shared.protocol import ErrorEvent, FinishEvent
-from shared.usage import UsageRecord, decode_usage
+from shared.queue.usage import UsageRecord, decode_usage
 from tests.contract.test_run_journal import JOBS, STREAM, Journal, journals, make_job, tok
 
 DEAD = "gw-dead"
@@ -47,7 +48,7 @@ async def admit(redis: aioredis.Redis, request_id: str, gateway: str = DEAD) -> 
     is still running."""
     queue = JobQueue(redis)
     await queue.ensure_group(STREAM)
-    reply_to = keys.reply_stream(gateway)
+    reply_to = names.reply_stream(gateway)
     jobs = [make_job(request_id, index, reply_to=reply_to) for index in (0, 1)]
     await queue.submit(STREAM, jobs, max_depth=100, opened=OpenedBy(gateway, OPENED))
 
@@ -64,7 +65,7 @@ async def run_jobs(redis: aioredis.Redis, journal: Journal) -> None:
 
 
 async def usage_entries(redis: aioredis.Redis) -> list[UsageRecord]:
-    found: Any = await redis.xrange(keys.USAGE_STREAM)
+    found: Any = await redis.xrange(names.USAGE_STREAM)
     return [decode_usage(fields) for _, fields in found]
 
 
@@ -80,12 +81,12 @@ async def test_admission_opens_and_the_journal_tallies_what_it_sent(
     book = OpenRequests(redis_backend)
     opened = await book.opened(DEAD)
     assert decode_open(opened["r1"]) == OPENED
-    assert 86_000 < await redis_backend.ttl(keys.open_requests(DEAD)) <= 86_400
+    assert 86_000 < await redis_backend.ttl(names.open_requests(DEAD)) <= 86_400
     sent = await book.sent("r1")
     assert sent.completion_tokens == 6
     assert sent.finishes == {0: Finish("length", 4, 0)}
     assert sent.first_token_unix is not None and abs(sent.first_token_unix - time.time()) < 60
-    assert await redis_backend.pttl(keys.sent_tally("r1")) > 3_000_000
+    assert await redis_backend.pttl(names.sent_tally("r1")) > 3_000_000
 
 
 async def test_a_dead_gateways_request_gets_one_row_from_what_was_sent(
@@ -101,7 +102,7 @@ async def test_a_dead_gateways_request_gets_one_row_from_what_was_sent(
     assert (record.prompt_tokens, record.completion_tokens) == (3, 6)
     assert (record.cached_prompt_tokens, record.status) == (3, "failed")  # capped at the prompt
     assert record.finish_reason == "length"
-    assert await redis_backend.exists(keys.open_requests(DEAD), keys.sent_tally("r1")) == 0
+    assert await redis_backend.exists(names.open_requests(DEAD), names.sent_tally("r1")) == 0
 
 
 async def test_the_sweep_settles_a_dead_gateways_limit_reservation(
@@ -112,7 +113,7 @@ async def test_the_sweep_settles_a_dead_gateways_limit_reservation(
     opened = OpenedBy(DEAD, msgspec.structs.replace(OPENED, reservation=charge.reservation()))
     queue = JobQueue(redis_backend)
     await queue.ensure_group(STREAM)
-    jobs = [make_job("r1", index, reply_to=keys.reply_stream(DEAD)) for index in (0, 1)]
+    jobs = [make_job("r1", index, reply_to=names.reply_stream(DEAD)) for index in (0, 1)]
     admitted = await queue.submit(STREAM, jobs, max_depth=100, charge=charge, opened=opened)
     assert admitted.outcome is Admission.QUEUED, admitted
     tpm_key, conc_key, budget_key = charge.reservation().counters
@@ -128,11 +129,11 @@ async def test_the_sweep_settles_a_dead_gateways_limit_reservation(
 
 async def test_a_live_gateway_is_never_swept(redis_backend: aioredis.Redis, wa: Journal) -> None:
     await admit(redis_backend, "r1")
-    await redis_backend.set(keys.gateway_heartbeat(DEAD), b"1", px=10_000)
+    await redis_backend.set(names.gateway_heartbeat(DEAD), b"1", px=10_000)
     assert await sweep(redis_backend, "gw-a").sweep() == 0
     assert await sweep(redis_backend, DEAD).sweep() == 0  # nor its own, by itself
     assert await usage_entries(redis_backend) == []
-    assert await redis_backend.hexists(keys.open_requests(DEAD), "r1")
+    assert await redis_backend.hexists(names.open_requests(DEAD), "r1")
 
 
 async def test_a_request_its_gateway_closed_is_not_counted_again(
@@ -142,15 +143,15 @@ async def test_a_request_its_gateway_closed_is_not_counted_again(
     await run_jobs(redis_backend, wa)
     record = orphan_record("r1", OPENED, SentTally(completion_tokens=6))
     await OpenRequests(redis_backend).close(DEAD, record)  # the gateway's own row
-    assert await redis_backend.exists(keys.open_requests(DEAD), keys.sent_tally("r1")) == 0
+    assert await redis_backend.exists(names.open_requests(DEAD), names.sent_tally("r1")) == 0
     assert await sweep(redis_backend, "gw-a").sweep() == 0
     assert len(await usage_entries(redis_backend)) == 1
 
 
 async def test_an_unreadable_open_entry_is_dropped(redis_backend: aioredis.Redis) -> None:
-    await redis_backend.hset(keys.open_requests(DEAD), "r9", b"9:junk")
+    await redis_backend.hset(names.open_requests(DEAD), "r9", b"9:junk")
     assert await sweep(redis_backend, "gw-a").sweep() == 0
-    assert await redis_backend.exists(keys.open_requests(DEAD)) == 0
+    assert await redis_backend.exists(names.open_requests(DEAD)) == 0
 
 
 def test_orphan_record_status_and_reasons() -> None:

@@ -1,4 +1,5 @@
-"""A gateway over two real Redis (gateway/redis_cells.py, shared/model_redis.py): the home
+"""A gateway over two real Redis (gateway/dispatch/cells.py, shared/connections/model_redis.py):
+the home
 Redis (127.0.0.1:6379, a test database) and a private redis-server on a free port.
 
 ``tiny`` and ``tiny-embed-2`` live on the second Redis, ``tiny-embed`` on the home one. The
@@ -20,13 +21,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.model_catalog import ModelKind, ServedModel
-from gateway.plan import Deadline, Embedding, RequestPlan
-from shared import keys
+from gateway.catalog.served_models import ModelKind, ServedModel
+from gateway.dispatch.plan import Deadline, Embedding, RequestPlan
+from shared.connections.connect import connect
+from shared.connections.model_redis import ModelRedis
 from shared.errors import KeyRateLimited
-from shared.key_limits import LimitCharge, Limits
-from shared.model_redis import ModelRedis
-from shared.redis_conn import connect
+from shared.queue import names
+from shared.queue.key_limits import LimitCharge, Limits
 from shared.roles import Role
 from tests.gateway.fake_worker import silent
 from tests.gateway.harness import BODIES, CHAT, EMBED_MODEL, EMBEDDINGS, LiveGateway, live_gateway
@@ -85,15 +86,15 @@ async def test_each_model_lives_on_its_own_redis(cells: Cells) -> None:
     home_embed = await cells.gateway.client.post(EMBEDDINGS, json=BODIES[EMBEDDINGS])
     assert home_embed.status_code == 200, home_embed.text
 
-    reply = keys.reply_stream("gw-test")
+    reply = names.reply_stream("gw-test")
     assert await cells.shard.xlen(reply) > 0 and await cells.home.xlen(reply) == 1
-    assert await cells.shard.exists(keys.job_stream("tiny", Role.AGGREGATED)) == 1
-    assert await cells.home.exists(keys.job_stream("tiny", Role.AGGREGATED)) == 0
-    assert await cells.home.exists(keys.job_stream(EMBED_MODEL, Role.EMBED)) == 1
+    assert await cells.shard.exists(names.job_stream("tiny", Role.AGGREGATED)) == 1
+    assert await cells.home.exists(names.job_stream("tiny", Role.AGGREGATED)) == 0
+    assert await cells.home.exists(names.job_stream(EMBED_MODEL, Role.EMBED)) == 1
 
     async def rows_queued() -> bool:
-        shard_rows = await cells.shard.xlen(keys.USAGE_STREAM)
-        home_rows = await cells.home.xlen(keys.USAGE_STREAM)
+        shard_rows = await cells.shard.xlen(names.USAGE_STREAM)
+        home_rows = await cells.home.xlen(names.USAGE_STREAM)
         return bool(shard_rows == 1 and home_rows == 1)
 
     await eventually(rows_queued, what="one usage row queued on each Redis")
@@ -120,22 +121,22 @@ async def test_key_limits_count_per_redis_and_settle_where_they_were_taken(cells
     state = cells.gateway.state
     shard_cell, home_cell = state.cells.for_model(SHARDED_EMBED), state.cells.home
     first = await shard_cell.dispatcher.submit(_plan(SHARDED_EMBED, one_at_a_time))
-    assert await cells.shard.zcard(keys.key_concurrency("key-1")) == 1
+    assert await cells.shard.zcard(names.key_concurrency("key-1")) == 1
     with pytest.raises(KeyRateLimited):  # the same Redis: the limit holds
         await shard_cell.dispatcher.submit(_plan(SHARDED_EMBED, one_at_a_time))
     # another Redis counts on its own: documented (README "More than one Redis")
     other = await home_cell.dispatcher.submit(_plan(EMBED_MODEL, one_at_a_time))
-    assert await cells.home.zcard(keys.key_concurrency("key-1")) == 1
+    assert await cells.home.zcard(names.key_concurrency("key-1")) == 1
 
     async with first:
         pass  # closed unfinished: cancelled, its slot given back on the shard
     async with other:
         pass
     await state.cells.wait_background()
-    assert await cells.shard.zcard(keys.key_concurrency("key-1")) == 0
-    assert await cells.home.zcard(keys.key_concurrency("key-1")) == 0
-    assert await cells.shard.get(keys.cancel_flag(first.request_id)) == b"1"
-    assert await cells.home.get(keys.cancel_flag(first.request_id)) is None
+    assert await cells.shard.zcard(names.key_concurrency("key-1")) == 0
+    assert await cells.home.zcard(names.key_concurrency("key-1")) == 0
+    assert await cells.shard.get(names.cancel_flag(first.request_id)) == b"1"
+    assert await cells.home.get(names.cancel_flag(first.request_id)) is None
     again = await shard_cell.dispatcher.submit(_plan(SHARDED_EMBED, one_at_a_time))
     async with again:
         pass

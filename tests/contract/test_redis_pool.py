@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.redis_conn import connect
-from shared.redis_pool import BoundedConnectionPool
+from shared.connections.connect import connect
+from shared.connections.pool import BoundedConnectionPool
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
 from tests.waiting import eventually
 

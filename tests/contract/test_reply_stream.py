@@ -1,7 +1,7 @@
 """ReplyRouter (gateway side of the token return path) on both backends.
 
 Events reach the reply stream the way workers write them: XADD of the protocol's
-stream fields, or through a :class:`workers.journal.RunJournal`.
+stream fields, or through a :class:`workers.journal.run_journal.RunJournal`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from fakeredis.aioredis import FakeRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared import keys
-from shared.job_queue import JobQueue, JobStream
+from gateway.dispatch.reply_router import ReplyRouter, StreamInterrupted
+from shared.connections.connect import connect
 from shared.protocol import (
     ErrorEvent,
     Event,
@@ -29,15 +29,15 @@ from shared.protocol import (
     TokenEvent,
     encode,
 )
-from shared.redis_conn import connect
-from shared.reply_stream import ReplyRouter, StreamInterrupted
+from shared.queue import names
+from shared.queue.job_queue import JobQueue, JobStream
 from shared.roles import Role
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.waiting import eventually
-from workers.journal import RunJournal
+from workers.journal.run_journal import RunJournal
 
-REPLY = keys.reply_stream("gw-test")
+REPLY = names.reply_stream("gw-test")
 JOB_STREAM = JobStream("m", Role.AGGREGATED)
 JOBS = JOB_STREAM.name
 WATCHDOG_TICK_S = 0.1

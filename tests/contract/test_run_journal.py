@@ -1,4 +1,5 @@
-"""The fenced run journal (workers/journal.py) and JobQueue.reclaim, on both backends."""
+"""The fenced run journal (workers/journal/run_journal.py) and JobQueue.reclaim, on both
+backends."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from shared import keys
-from shared.job_queue import Delivery, JobQueue, JobStream
 from shared.protocol import (
     ErrorEvent,
     Event,
@@ -28,12 +27,14 @@ from shared.protocol import (
     decode,
     decode_events,
 )
+from shared.queue import names
+from shared.queue.job_queue import Delivery, JobQueue, JobStream
 from shared.roles import Role
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
-from workers.journal import RunJournal, RunLease
-from workers.journal_writes import pack_tokens, unpack_tokens
+from workers.journal.run_journal import RunJournal, RunLease
+from workers.journal.writes import pack_tokens, unpack_tokens
 
 STAGE = Role.AGGREGATED
 JOBS = JobStream("m", STAGE)
@@ -42,11 +43,11 @@ STREAM = JOBS.name
 
 def run_keys(job_id: str) -> tuple[str, str]:
     """The run hash and emitted-token log of ``job_id`` at this stage."""
-    return keys.job_run(job_id, STAGE), keys.job_emitted(job_id, STAGE)
+    return names.job_run(job_id, STAGE), names.job_emitted(job_id, STAGE)
 
 
-REPLY = keys.reply_stream("gw-test")
-DONE = keys.stream_done_counter(STREAM)
+REPLY = names.reply_stream("gw-test")
+DONE = names.stream_done_counter(STREAM)
 
 
 def make_job(request_id: str, index: int = 0, *, reply_to: str = REPLY) -> GenerateJob:
@@ -111,13 +112,13 @@ async def replies(redis: aioredis.Redis, stream: str = REPLY) -> list[Any]:
 
 
 async def emitted(redis: aioredis.Redis, job_id: str) -> list[int]:
-    data: bytes | None = cast(Any, await redis.get(keys.job_emitted(job_id, STAGE)))
+    data: bytes | None = cast(Any, await redis.get(names.job_emitted(job_id, STAGE)))
     return unpack_tokens(data or b"")
 
 
 async def pending(redis: aioredis.Redis) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = cast(
-        Any, await redis.xpending_range(STREAM, keys.JOB_GROUP, "-", "+", 100)
+        Any, await redis.xpending_range(STREAM, names.JOB_GROUP, "-", "+", 100)
     )
     return found
 
@@ -176,9 +177,9 @@ async def test_begin_on_a_fresh_delivery(wa: Journal, redis_backend: aioredis.Re
     assert (lease.attempt, lease.next_seq, lease.emitted) == (0, 0, [])
     assert lease.job_id == "r1/0"
     assert lease.fence.startswith("wa/")
-    run = await redis_backend.hgetall(keys.job_run("r1/0", STAGE))
+    run = await redis_backend.hgetall(names.job_run("r1/0", STAGE))
     assert run == {b"owner": lease.fence.encode(), b"starts": b"1"}
-    assert await redis_backend.get(keys.job_emitted("r1/0", STAGE)) == b""
+    assert await redis_backend.get(names.job_emitted("r1/0", STAGE)) == b""
     for key in run_keys("r1/0"):
         assert 3500 * 1000 < await redis_backend.pttl(key) <= 3600 * 1000
     # Each begin gets its own fence, even on the same worker.
@@ -198,13 +199,13 @@ async def test_publish_and_flush_write_events_tokens_and_seq(
     await wa.flush()
     assert await replies(redis_backend) == events
     assert await emitted(redis_backend, "r1/0") == [10, 11, 12]
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"3"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "seq") == b"3"
 
     more = emit(wa.journal, lease, [-5, 2**31 - 1])
     await wa.flush()
     assert await replies(redis_backend) == events + more
     assert await emitted(redis_backend, "r1/0") == [10, 11, 12, -5, 2**31 - 1]
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"4"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "seq") == b"4"
     # Publishing does not finish the job: its entry is still queued and pending.
     assert await redis_backend.xlen(STREAM) == 1
     assert len(await pending(redis_backend)) == 1
@@ -218,7 +219,7 @@ async def test_flush_with_nothing_published_returns(wa: Journal) -> None:
 async def test_one_script_call_per_loop_pass_for_many_jobs(
     wa: Journal, redis_backend: aioredis.Redis
 ) -> None:
-    other_reply = keys.reply_stream("gw-other")
+    other_reply = names.reply_stream("gw-other")
     d1, d2, d3 = await deliver(
         redis_backend, make_job("a"), make_job("b", reply_to=other_reply), make_job("c")
     )
@@ -340,7 +341,7 @@ async def test_hand_back_requeues_the_job_and_keeps_its_journal(
         assert decode(fields) == delivery.job
         assert await pending(redis_backend) == []  # the old entry is acked and gone
         # The owner is gone and the start is given back: a hand-back is no failed delivery.
-        assert await redis_backend.hgetall(keys.job_run("r1/0", STAGE)) == {
+        assert await redis_backend.hgetall(names.job_run("r1/0", STAGE)) == {
             b"starts": b"0",
             b"seq": b"2",
         }
@@ -384,7 +385,7 @@ async def test_hand_backs_keep_the_attempt_and_crashes_raise_it(
         assert wa.fenced == []
     assert attempts == [0, 0, 0, 1, 1, 2]
     assert (last.attempt, last.next_seq, last.emitted) == (2, 6, attempts)
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"3"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "starts") == b"3"
 
 
 async def test_a_failed_hand_back_counts_as_a_failed_run(redis_backend: aioredis.Redis) -> None:
@@ -402,7 +403,7 @@ async def test_a_failed_hand_back_counts_as_a_failed_run(redis_backend: aioredis
         resumed = await wa.begin(again)
         assert (resumed.attempt, resumed.next_seq, resumed.emitted) == (1, 1, [7])
         assert await wa.hand_back(lease, failed=True) is False  # fenced: changes nothing
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"2"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "starts") == b"2"
 
 
 async def test_repeated_hand_backs_never_drive_the_start_count_down(
@@ -417,7 +418,7 @@ async def test_repeated_hand_backs_never_drive_the_start_count_down(
             assert await wa.hand_back(lease) is True
             assert await wa.hand_back(lease) is False  # a second hand-back is fenced: no -1
             [delivery] = await queue.read([JOBS], "wa", count=1, block_ms=100)
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "starts") == b"0"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "starts") == b"0"
     assert await entry_ids(redis_backend) == [delivery.entry_id]
 
 
@@ -432,7 +433,7 @@ async def test_hand_back_by_a_fenced_out_lease_does_nothing(
         assert await entry_ids(redis_backend) == [delivery.entry_id]
         assert len(await pending(redis_backend)) == 1
         assert (
-            await redis_backend.hget(keys.job_run("r1/0", STAGE), "owner") == owner.fence.encode()
+            await redis_backend.hget(names.job_run("r1/0", STAGE), "owner") == owner.fence.encode()
         )
         assert await wb.hand_back(owner) is True
 
@@ -557,7 +558,7 @@ async def test_a_write_whose_reply_was_lost_is_not_applied_twice(
     assert lost_replies == []  # the reply was lost once, and the write retried
     assert await emitted(redis_backend, "r1/0") == [1, 2]
     assert await replies(redis_backend) == events
-    assert await redis_backend.hget(keys.job_run("r1/0", STAGE), "seq") == b"2"
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "seq") == b"2"
 
     # Later writes still land (each carries a larger seq), and so does the finish.
     more = emit(wa.journal, lease, [3])
@@ -647,7 +648,7 @@ async def test_flush_raises_after_the_journal_gave_up(
         await asyncio.wait_for(journal.flush(), 0.3)  # raises at once, never hangs
     # Nothing reached Redis: the run is as begin left it, for a takeover to restart.
     assert await replies(redis_backend) == []
-    assert await redis_backend.hgetall(keys.job_run("r1/0", STAGE)) == {
+    assert await redis_backend.hgetall(names.job_run("r1/0", STAGE)) == {
         b"owner": lease.fence.encode(),
         b"starts": b"1",
     }

@@ -22,14 +22,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from conveyor.redis_server import redis_answers, start_private_redis
-from gateway.model_catalog import ServedModel
-from shared import keys
-from shared.job_queue import Admission, JobQueue
-from shared.liveness import HeartbeatThread, forget_dead_process
-from shared.model_redis import ModelRedis
+from gateway.catalog.served_models import ServedModel
+from shared.connections.connect import connect, db_of
+from shared.connections.model_redis import ModelRedis
+from shared.connections.url import async_client
 from shared.protocol import ErrorEvent, FinishEvent
-from shared.redis_conn import connect, db_of
-from shared.redis_url import async_client
+from shared.queue import names
+from shared.queue.job_queue import Admission, JobQueue
+from shared.queue.liveness import HeartbeatThread, forget_dead_process
 from tests.conftest import RedisTarget
 from tests.contract.test_job_queue import JOBS, STREAM, make_job
 from tests.gateway.fake_worker import echo, silent
@@ -86,7 +86,7 @@ async def test_the_job_queue_admits_again_on_the_promoted_replica(group: Sentine
 async def test_the_heartbeat_thread_beats_again_on_the_promoted_replica(
     group: SentinelGroup,
 ) -> None:
-    key = keys.worker_heartbeat("aggregated-host-1-abc")
+    key = names.worker_heartbeat("aggregated-host-1-abc")
     heartbeat = HeartbeatThread(group.url, key, ttl_s=1.0, payload=lambda: b"{}")
     task = asyncio.create_task(heartbeat.run())
     try:
@@ -200,8 +200,8 @@ async def test_min_replicas_to_write_refuses_what_a_fail_over_would_lose(
 def test_the_supervisor_forgets_a_dead_worker_through_the_sentinels(group: SentinelGroup) -> None:
     client = redis.Redis(port=group.master_port, db=2)
     try:
-        client.set(keys.worker_heartbeat("aggregated-hostx-42-abc"), b"{}", ex=60)
-        client.set(keys.worker_heartbeat("aggregated-hostx-43-abc"), b"{}", ex=60)
+        client.set(names.worker_heartbeat("aggregated-hostx-42-abc"), b"{}", ex=60)
+        client.set(names.worker_heartbeat("aggregated-hostx-43-abc"), b"{}", ex=60)
     finally:
         client.close()
     assert forget_dead_process(group.url, 42, host="hostx") == ["aggregated-hostx-42-abc"]

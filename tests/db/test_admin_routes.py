@@ -14,13 +14,13 @@ import pytest
 from fakeredis.aioredis import FakeRedis
 
 from gateway.app import build_app
+from gateway.control.ledger import usage_row
 from gateway.control.plane import ControlPlane
 from gateway.db import usage_repo
 from gateway.db.engine import Database
 from gateway.db.schema import upgrade_to_head
-from gateway.ledger import usage_row
+from shared.queue.usage import UsageRecord
 from shared.settings import Settings
-from shared.usage import UsageRecord
 from tests.support.sql import SqlTarget
 
 ADMIN_KEY = "admin-key-for-route-tests-0123456789"
@@ -36,7 +36,7 @@ class _Directory:
 
 
 class _Cells:
-    """One cell with no workers and no open requests (gateway/redis_cells.py)."""
+    """One cell with no workers and no open requests (gateway/dispatch/cells.py)."""
 
     sharded = False
 

@@ -10,7 +10,7 @@ import redis
 
 from conveyor.cli import main
 from gateway.control.key_secrets import SECRET_PATTERN
-from shared import keys
+from shared.queue import names
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
 from tests.support.sql import SqlTarget
 
@@ -146,11 +146,11 @@ def test_a_key_change_bumps_the_generation_gateways_poll(
     _require_real_redis(REAL_REDIS_URL)
     client = redis.Redis.from_url(REAL_REDIS_URL)
     try:
-        client.delete(keys.API_KEYS_GENERATION)
+        client.delete(names.API_KEYS_GENERATION)
         where = ("--data-dir", str(tmp_path), "--redis-url", REAL_REDIS_URL)
         code, _, err = run(capsys, "keys", "create", "--name", "k", *where)
         assert code == 0 and "warning" not in err
-        assert client.get(keys.API_KEYS_GENERATION) == b"1"
+        assert client.get(names.API_KEYS_GENERATION) == b"1"
     finally:
-        client.delete(keys.API_KEYS_GENERATION)
+        client.delete(names.API_KEYS_GENERATION)
         client.close()

@@ -15,16 +15,16 @@ from sqlalchemy import func, select
 
 from gateway.control.key_cache import KeyCache
 from gateway.control.key_service import KeyService, KeySpec
+from gateway.control.ledger import LedgerConsumer, LedgerPolicy
 from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db.engine import Database
 from gateway.db.models import UsageRow
 from gateway.db.schema import upgrade_to_head
-from gateway.ledger import LedgerConsumer, LedgerPolicy
-from shared import keys
 from shared.errors import InvalidApiKey
+from shared.queue import names
+from shared.queue.usage import UsageRecord, record_usage
 from shared.settings import Settings
-from shared.usage import UsageRecord, record_usage
 from tests.conftest import RedisTarget
 from tests.support.sql import SqlTarget
 from tests.support.tcp_proxy import TcpProxy
@@ -117,8 +117,8 @@ async def test_an_outage_delays_rows_stops_no_known_key_and_loses_nothing(
         await _until(lambda: plane.keys.status().db_ok and plane.keys.status().keys == 2)
         assert await _rows(direct) == 30
         assert plane.ledger.status.duplicates_skipped == 0
-        assert await redis.xlen(keys.USAGE_STREAM) == 0
-        info: Any = await redis.xpending(keys.USAGE_STREAM, keys.USAGE_GROUP)
+        assert await redis.xlen(names.USAGE_STREAM) == 0
+        info: Any = await redis.xpending(names.USAGE_STREAM, names.USAGE_GROUP)
         assert info["pending"] == 0
         assert (await plane.readiness())[1]["database"]["reachable"] is True
     finally:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from gateway.catalog.served_models import ServedModel
 from gateway.control.key_service import KeySpec
 from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db.engine import Database
-from gateway.model_catalog import ServedModel
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
 from tests.support.sql import SqlTarget
 

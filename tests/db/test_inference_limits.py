@@ -7,8 +7,8 @@ from typing import Any
 
 from gateway.control.key_service import KeySpec
 from gateway.control.records import BudgetPeriod, Limits, Scope
-from shared import keys
-from shared.usage import decode_usage
+from shared.queue import names
+from shared.queue.usage import decode_usage
 from tests.db.test_inference_auth import bearer, gateway, queued  # noqa: F401 (fixture)
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of
 from tests.waiting import eventually
@@ -24,7 +24,7 @@ async def limited_key(live: LiveGateway, limits: Limits) -> str:
 
 
 async def usage_rows(live: LiveGateway) -> list[Any]:
-    entries: Any = await live.redis.xrange(keys.USAGE_STREAM)
+    entries: Any = await live.redis.xrange(names.USAGE_STREAM)
     return [decode_usage(fields) for _, fields in entries]
 
 
@@ -74,7 +74,7 @@ async def test_concurrency_slot_returns_when_the_request_ends(
 
         async def slot_free() -> bool:
             return (
-                int(await gateway.redis.zcard(keys.key_concurrency(_key_id(gateway, secret)))) == 0
+                int(await gateway.redis.zcard(names.key_concurrency(_key_id(gateway, secret)))) == 0
             )
 
         await eventually(slot_free, timeout_s=2.0, what="the concurrency slot to be given back")

@@ -15,13 +15,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import func, select
 
-from gateway import ledger
+from gateway.control import ledger
+from gateway.control.ledger import LedgerConsumer, LedgerPolicy
+from gateway.control.ledger_retention import purge_once
 from gateway.db.engine import Database, open_database
 from gateway.db.models import UsageRow
-from gateway.ledger import LedgerConsumer, LedgerPolicy
-from gateway.ledger_retention import purge_once
-from shared import keys
-from shared.usage import UsageRecord, encode_usage, record_usage
+from shared.queue import names
+from shared.queue.usage import UsageRecord, encode_usage, record_usage
 from tests.conftest import RedisTarget
 
 UNREACHABLE_DB = "postgresql+asyncpg://postgres@127.0.0.1:1/nothing"
@@ -67,7 +67,7 @@ async def row_count(database: Database) -> int:
 
 
 async def pending(redis: aioredis.Redis) -> int:
-    info: Any = await redis.xpending(keys.USAGE_STREAM, keys.USAGE_GROUP)
+    info: Any = await redis.xpending(names.USAGE_STREAM, names.USAGE_GROUP)
     return int(info["pending"])
 
 
@@ -81,7 +81,7 @@ async def test_rows_arrive_in_batches_and_leave_the_stream(
     handled = [await consumer.step() for _ in range(4)]
     assert handled == [256, 256, 88, 0]
     assert await row_count(database) == 600
-    assert await redis.xlen(keys.USAGE_STREAM) == 0 and await pending(redis) == 0
+    assert await redis.xlen(names.USAGE_STREAM) == 0 and await pending(redis) == 0
     first = (await rows(database))[0]
     assert (first.request_id, first.key_id, first.status, first.n) == (
         "req-0",
@@ -130,7 +130,7 @@ async def test_a_gateway_dying_between_commit_and_ack_doubles_nothing(
     assert await heir.step() == 10  # reclaimed from the dead consumer, written again: no-op
     assert await row_count(database) == 10
     assert heir.status.duplicates_skipped == 10
-    assert await redis.xlen(keys.USAGE_STREAM) == 0 and await pending(redis) == 0
+    assert await redis.xlen(names.USAGE_STREAM) == 0 and await pending(redis) == 0
 
 
 async def test_gone_consumers_with_nothing_pending_are_forgotten(
@@ -143,8 +143,10 @@ async def test_gone_consumers_with_nothing_pending_are_forgotten(
     await asyncio.sleep(0.01)
     new = LedgerConsumer(redis, database.sessions, "gw-new", FAST)
     await new.step()
-    names = {c["name"] for c in await redis.xinfo_consumers(keys.USAGE_STREAM, keys.USAGE_GROUP)}
-    assert names == {b"gw-new"}
+    consumers = {
+        c["name"] for c in await redis.xinfo_consumers(names.USAGE_STREAM, names.USAGE_GROUP)
+    }
+    assert consumers == {b"gw-new"}
 
 
 async def test_entries_that_cannot_be_written_go_to_the_dead_letter_stream(
@@ -153,16 +155,16 @@ async def test_entries_that_cannot_be_written_go_to_the_dead_letter_stream(
     consumer = LedgerConsumer(redis, database.sessions, "gw-1", FAST)
     await consumer.ensure_group()
     await record_usage(redis, usage(1))
-    await redis.xadd(keys.USAGE_STREAM, {b"v": b"1", b"m": b"\xc1garbage"})
-    await redis.xadd(keys.USAGE_STREAM, {b"v": b"99", b"m": b""})
-    await redis.xadd(keys.USAGE_STREAM, encode_usage(usage(2, model="m" * 201)))  # too long
+    await redis.xadd(names.USAGE_STREAM, {b"v": b"1", b"m": b"\xc1garbage"})
+    await redis.xadd(names.USAGE_STREAM, {b"v": b"99", b"m": b""})
+    await redis.xadd(names.USAGE_STREAM, encode_usage(usage(2, model="m" * 201)))  # too long
     await record_usage(redis, usage(3))
     assert await consumer.step() == 5
     assert [r.request_id for r in await rows(database)] == ["req-1", "req-3"]
-    dead: Any = await redis.xrange(keys.USAGE_DEAD_LETTER)
+    dead: Any = await redis.xrange(names.USAGE_DEAD_LETTER)
     assert len(dead) == 3 and all(b"error" in fields for _, fields in dead)
     assert consumer.status.dead_lettered == 3
-    assert await redis.xlen(keys.USAGE_STREAM) == 0 and await pending(redis) == 0
+    assert await redis.xlen(names.USAGE_STREAM) == 0 and await pending(redis) == 0
 
 
 async def test_a_database_outage_delays_rows_and_loses_none(
@@ -181,12 +183,12 @@ async def test_a_database_outage_delays_rows_and_loses_none(
         await _until(lambda: not consumer.status.db_ok)
         await asyncio.sleep(0.5)
         assert await row_count(database) == 5
-        assert await redis.xlen(keys.USAGE_STREAM) == 20  # waiting in Redis
+        assert await redis.xlen(names.USAGE_STREAM) == 20  # waiting in Redis
         consumer._sessions = database.sessions  # and comes back
         await _until(lambda: consumer.status.rows_written == 25, within_s=5)
         assert consumer.status.db_ok and consumer.status.duplicates_skipped == 0
         assert [r.request_id for r in await rows(database)] == sorted(f"req-{i}" for i in range(25))
-        assert await redis.xlen(keys.USAGE_STREAM) == 0 and await pending(redis) == 0
+        assert await redis.xlen(names.USAGE_STREAM) == 0 and await pending(redis) == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

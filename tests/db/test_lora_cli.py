@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 
 from conveyor.cli import main
-from shared import keys
+from shared.queue import names
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
 from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
 from tests.support.sql import SqlTarget
@@ -31,7 +31,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def _flush_adapter_keys() -> None:
     client = redis.Redis.from_url(REAL_REDIS_URL)
     try:
-        stale = [*client.scan_iter(f"{keys.PREFIX}:adapters*"), keys.worker_heartbeat(WORKER_ID)]
+        stale = [*client.scan_iter(f"{names.PREFIX}:adapters*"), names.worker_heartbeat(WORKER_ID)]
         client.delete(*stale)
     finally:
         client.close()

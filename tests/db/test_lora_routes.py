@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
+from gateway.catalog.served_models import ServedModel
 from gateway.control.key_service import KeySpec
 from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db import lora_repo
 from gateway.db.engine import Database, transaction
-from gateway.model_catalog import ServedModel
-from shared import keys
-from shared.adapters import adapter_stream, read_desired
+from shared.queue import names
+from shared.queue.lora_registry import adapter_stream, read_desired
 from shared.roles import Role
 from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
 from tests.gateway.harness import CHAT, EMBED_MODEL, LiveGateway, error_of, live_gateway
@@ -249,7 +249,7 @@ async def test_admin_scope_and_model_allow_lists(
 
 
 async def forget_desired_state(live: LiveGateway) -> None:
-    await live.redis.delete(keys.adapters_desired("tiny"), keys.adapters_generation("tiny"))
+    await live.redis.delete(names.adapters_desired("tiny"), names.adapters_generation("tiny"))
     assert await read_desired(live.redis, "tiny") is None
 
 

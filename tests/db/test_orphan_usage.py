@@ -9,13 +9,13 @@ import time
 
 import redis.asyncio as aioredis
 
+from gateway.control.ledger import LedgerConsumer
+from gateway.control.orphan_usage import OrphanUsageSweep
 from gateway.db.engine import Database
-from gateway.ledger import LedgerConsumer
-from gateway.orphan_usage import OrphanUsageSweep
-from shared import keys
-from shared.job_queue import JobQueue, OpenedBy
-from shared.liveness import GatewayWatch
-from shared.open_requests import OpenRequest, OpenRequests, SentTally, orphan_record
+from shared.queue import names
+from shared.queue.job_queue import JobQueue, OpenedBy
+from shared.queue.liveness import GatewayWatch
+from shared.queue.open_requests import OpenRequest, OpenRequests, SentTally, orphan_record
 from tests.contract.test_run_journal import STREAM, make_job
 from tests.db.test_ledger import FAST, rows
 
@@ -29,11 +29,11 @@ async def test_a_dead_gateways_request_is_one_ledger_row(
     opened = OpenRequest(key_id="key_a", model="m", prompt_tokens=7, n=1, received_unix=received)
     queue = JobQueue(redis_backend)
     await queue.ensure_group(STREAM)
-    job = make_job("r1", reply_to=keys.reply_stream(DEAD))
+    job = make_job("r1", reply_to=names.reply_stream(DEAD))
     await queue.submit(STREAM, [job], max_depth=10, opened=OpenedBy(DEAD, opened))
     first_ms = int((received + 1) * 1000)
     await redis_backend.hset(
-        keys.sent_tally("r1"), mapping={"c": 9, "t": first_ms, "f:0": "stop|4|1"}
+        names.sent_tally("r1"), mapping={"c": 9, "t": first_ms, "f:0": "stop|4|1"}
     )
 
     sweep = OrphanUsageSweep(redis_backend, "gw-live", GatewayWatch(redis_backend, grace_s=0.0))

@@ -11,14 +11,14 @@ from pathlib import Path
 import fakeredis
 from fakeredis.aioredis import FakeRedis
 
+from gateway.catalog.served_models import ServedModel
 from gateway.control.plane import ControlPlane
 from gateway.db.engine import Database
-from gateway.model_catalog import ServedModel
-from shared import keys
-from shared.adapters import adapter_stream, desired_generation, read_desired
-from shared.job_queue import JobQueue, OpenedBy
-from shared.model_redis import ModelRedis
-from shared.open_requests import OpenRequest
+from shared.connections.model_redis import ModelRedis
+from shared.queue import names
+from shared.queue.job_queue import JobQueue, OpenedBy
+from shared.queue.lora_registry import adapter_stream, desired_generation, read_desired
+from shared.queue.open_requests import OpenRequest
 from shared.roles import Role
 from shared.settings import Settings
 from tests.contract.test_run_journal import STREAM, make_job
@@ -54,16 +54,16 @@ async def test_a_dead_gateways_request_on_a_models_own_redis_is_settled_there(
     opened = OpenRequest(key_id="k", model="tiny", prompt_tokens=7, n=1, received_unix=time.time())
     queue = JobQueue(shard)
     await queue.ensure_group(STREAM)
-    job = make_job("r1", reply_to=keys.reply_stream(DEAD))
+    job = make_job("r1", reply_to=names.reply_stream(DEAD))
     await queue.submit(STREAM, [job], max_depth=10, opened=OpenedBy(DEAD, opened))
-    await shard.hset(keys.sent_tally("r1"), mapping={"c": 3, "f:0": "stop|0|0"})
+    await shard.hset(names.sent_tally("r1"), mapping={"c": 3, "f:0": "stop|0|0"})
 
     assert await plane.orphan_usage.sweep() == 0  # the home Redis's sweep: nothing there
     await sweep.sweep()  # first sighting of the missing liveness key
     await asyncio.sleep(0.1)
     assert await sweep.sweep() == 1
     assert plane.orphan_rows() == 1
-    assert await shard.xlen(keys.USAGE_STREAM) == 1 and await home.xlen(keys.USAGE_STREAM) == 0
+    assert await shard.xlen(names.USAGE_STREAM) == 1 and await home.xlen(names.USAGE_STREAM) == 0
     assert await plane.backlog() == 1
     await ledger.ensure_group()
     while await ledger.step():

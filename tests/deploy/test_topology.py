@@ -4,7 +4,7 @@ gateway, worker-cpu, encode-cpu, embed-cpu, with .env turning on auth, the visio
 the embedding model and LoRA, driven with the `openai` client.
 
 LoRA is on here as an operator would set it, but the vision demo model (a tiny LLaVA)
-serves no adapters (workers/engines/vllm_lora.py: text models only), so registering one
+serves no adapters (workers/engines/vllm/lora.py: text models only), so registering one
 for it is refused with a clean 400; tests/deploy/test_topology_lora.py runs the text
 topology (profile `cpu`) where an adapter from the ``/adapters`` mount serves chat.
 """
@@ -143,7 +143,7 @@ def test_a_lora_adapter_for_the_vision_demo_is_refused_with_the_reason(
     """LoRA is on, but the worker's base is the LLaVA demo: the adapter (made for it, in the
     ``/adapters`` mount) is refused by every worker, nothing stays registered, chat still
     works. The text topology (test_topology_lora.py) serves one."""
-    from shared.demo_lora import write_demo_lora
+    from shared.demo.lora import write_demo_lora
 
     folder = write_demo_lora(
         topology.adapters_dir / "llava-lora", base=topology.data_dir / "demo-model-llava"

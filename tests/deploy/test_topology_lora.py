@@ -3,7 +3,7 @@
 the admin API and served by chat, with the `openai` client.
 
 Its own topology because the vision one (test_topology.py) serves the demo LLaVA, and
-Conveyor serves adapters for text models only (workers/engines/vllm_lora.py); here the
+Conveyor serves adapters for text models only (workers/engines/vllm/lora.py); here the
 worker serves the text demo model the image bakes. tests/deploy/topology.py says what is
 swapped for a container's: the ``/adapters`` mount is a local folder, so the path
 registered is that folder's (in containers: ``/adapters/my-lora``).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.demo_model import write_demo_model
+from shared.demo.model import write_demo_model
 from tests.e2e.lora_stack import LoraStack, lora_session
 from tests.e2e.stack import Process, Stack, wait_until
 

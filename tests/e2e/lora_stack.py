@@ -21,17 +21,17 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.adapters import AdapterSpec, publish_desired
-from shared.demo_lora import write_demo_lora
-from shared.liveness import WorkerRegistration
+from shared.demo.lora import write_demo_lora
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistration
+from shared.queue.lora_registry import AdapterSpec, publish_desired
 from tests.e2e.stack import Process, Stack, run_offline
 
 MODEL = "tiny"
 LORA_REDIS_URL = os.environ.get("CONVEYOR_TEST_LORA_REDIS_URL", "redis://127.0.0.1:6379/4")
 """A db of its own: this module flushes it, and its model name is the shared stack's."""
 GATEWAY = "gw-lora-test"
-REPLY = keys.reply_stream(GATEWAY)
+REPLY = names.reply_stream(GATEWAY)
 GOOD = ("a1", "a2", "a3")
 BAD = ("missing", "corrupt", "wrong-base")
 PROMPTS = [
@@ -80,7 +80,7 @@ def publish(specs: list[AdapterSpec]) -> int:
 def registrations() -> list[WorkerRegistration]:
     client = redis.Redis.from_url(LORA_REDIS_URL)
     try:
-        values = [client.get(k) for k in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN)]
+        values = [client.get(k) for k in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN)]
     finally:
         client.close()
     return [msgspec.json.decode(v, type=WorkerRegistration) for v in values if v]
@@ -131,7 +131,7 @@ def offline_reference(model: Path, adapters: dict[str, Path]) -> dict[str, list[
 def lora_session(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraStack]:
     client = redis.Redis.from_url(LORA_REDIS_URL)
     client.flushdb()
-    client.set(keys.gateway_heartbeat(GATEWAY), b"1", ex=3600)
+    client.set(names.gateway_heartbeat(GATEWAY), b"1", ex=3600)
     client.close()
     paths = write_adapters(tmp_path_factory.mktemp("adapters"), demo_model)
     reference = offline_reference(demo_model, {name: paths[name] for name in GOOD})

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from workers.janitor import SAFETY_NET_LOG
+from workers.intake.janitor import SAFETY_NET_LOG
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import redis
 
-from shared import keys
+from shared.queue import names
 from shared.roles import Role
 from tests.e2e.conftest import Running
 
@@ -19,17 +19,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 def _workers(running: Running) -> list[dict[str, int]]:
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
-        names = list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
-        return [json.loads(v) for v in client.mget(names) if v] if names else []
+        found = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+        return [json.loads(v) for v in client.mget(found) if v] if found else []
     finally:
         client.close()
 
 
 def _queue_state(running: Running) -> tuple[int, int]:
     client = redis.Redis.from_url(running.stack.redis_url)
-    stream = keys.job_stream(running.model, Role.AGGREGATED)
+    stream = names.job_stream(running.model, Role.AGGREGATED)
     try:
-        pending = client.xpending(stream, keys.JOB_GROUP)["pending"]
+        pending = client.xpending(stream, names.JOB_GROUP)["pending"]
         return int(client.xlen(stream)), int(pending)
     finally:
         client.close()

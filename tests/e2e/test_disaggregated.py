@@ -72,7 +72,7 @@ def _wait_for_roles(running: Running, roles: set[str], processes: list[Process])
 
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
     deadline = time.monotonic() + 600
@@ -81,7 +81,7 @@ def _wait_for_roles(running: Running, roles: set[str], processes: list[Process])
             for process in processes:
                 assert process.popen.poll() is None, process.log_tail()
             live, registered = set(), set()
-            for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+            for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN):
                 value = client.get(key)
                 worker = json.loads(value) if value else {}
                 if worker.get("model") == PD_MODEL:
@@ -175,11 +175,11 @@ def _decode_stats(running: Running) -> tuple[int, int]:
 
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
-        for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+        for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN):
             value = client.get(key)
             worker = json.loads(value) if value else {}
             if worker.get("model") == PD_MODEL and worker.get("role") == "decode":
@@ -229,12 +229,12 @@ def _pd_workers(running: Running) -> list[dict[str, object]]:
 
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
-        names = list(client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
-        workers = [json.loads(v) for v in client.mget(names) if v] if names else []
+        found = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+        workers = [json.loads(v) for v in client.mget(found) if v] if found else []
         return [w for w in workers if w.get("model") == PD_MODEL]
     finally:
         client.close()
@@ -243,14 +243,14 @@ def _pd_workers(running: Running) -> list[dict[str, object]]:
 def _pd_queues(running: Running) -> dict[str, tuple[int, int]]:
     import redis
 
-    from shared import keys
+    from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
         state = {}
         for role in ("prefill", "decode"):
-            stream = keys.job_stream(PD_MODEL, role)
-            pending = client.xpending(stream, keys.JOB_GROUP)["pending"]
+            stream = names.job_stream(PD_MODEL, role)
+            pending = client.xpending(stream, names.JOB_GROUP)["pending"]
             state[role] = (int(client.xlen(stream)), int(pending))
         return state
     finally:
@@ -383,7 +383,7 @@ def _stream_tokens(
 def _kill(process: Process) -> None:
     """SIGKILL a worker as `conveyor up` would see it die: its engine goes with it, and
     it leaves the registry at once."""
-    from shared.liveness import forget_dead_process
+    from shared.queue.liveness import forget_dead_process
 
     process.popen.send_signal(signal.SIGKILL)
     process.popen.wait(30)
@@ -404,12 +404,12 @@ def _restart(running: Running, role: str) -> Process:
 def _pending_by(running: Running, role: str) -> dict[str, int]:
     import redis
 
-    from shared import keys
-    from shared.redis_conn import as_text
+    from shared.connections.connect import as_text
+    from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
     try:
-        summary = client.xpending(keys.job_stream(PD_MODEL, role), keys.JOB_GROUP)
+        summary = client.xpending(names.job_stream(PD_MODEL, role), names.JOB_GROUP)
         return {as_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
     finally:
         client.close()

@@ -1,6 +1,6 @@
 """LoRA adapters on a real vLLM worker, driven through Redis as the gateway drives it
-(desired state via shared/adapters.py, jobs on the adapters' own streams, admin commands
-via shared/worker_commands.py). tests/e2e/test_lora_gateway.py drives the same worker
+(desired state via shared/queue/lora_registry.py, jobs on the adapters' own streams, admin commands
+via shared/queue/worker_commands.py). tests/e2e/test_lora_gateway.py drives the same worker
 through a real gateway.
 
 The stack (tests/e2e/lora_stack.py, a session fixture): one worker with ``max_loras=2``
@@ -21,10 +21,6 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.adapters import LOADED, adapter_stream, failure_reason, publish_desired
-from shared.job_queue import JobQueue
-from shared.liveness import WorkerRegistration, WorkerRegistry, forget_dead_process
 from shared.protocol import (
     ErrorEvent,
     FinishEvent,
@@ -33,8 +29,12 @@ from shared.protocol import (
     TokenEvent,
     decode_events,
 )
+from shared.queue import names
+from shared.queue.job_queue import JobQueue
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry, forget_dead_process
+from shared.queue.lora_registry import LOADED, adapter_stream, failure_reason, publish_desired
+from shared.queue.worker_commands import Command, CommandStatus, send_worker_command
 from shared.roles import Role
-from shared.worker_commands import Command, CommandStatus, send_worker_command
 from tests.e2e.lora_stack import (
     BAD,
     GOOD,
@@ -90,7 +90,7 @@ async def submit(client: aioredis.Redis, *jobs: GenerateJob) -> None:
     queue = JobQueue(client)
     for one in jobs:
         stream = (
-            adapter_stream(one.adapter) if one.adapter else keys.job_stream(MODEL, Role.AGGREGATED)
+            adapter_stream(one.adapter) if one.adapter else names.job_stream(MODEL, Role.AGGREGATED)
         )
         result = await queue.submit(stream, [one], max_depth=1000)
         assert result.outcome.value == "queued", result
@@ -172,8 +172,8 @@ async def test_32_concurrent_mixed_requests_equal_their_single_references(
 ) -> None:
     """Base requests batched with adapters' requests, every slot used (and, with three
     adapters, more adapters than max_loras=2 at once): each output is its reference."""
-    names = [None, *adapters]
-    plan = [(names[i % len(names)], i % len(PROMPTS)) for i in range(32)]
+    choices = [None, *adapters]
+    plan = [(choices[i % len(choices)], i % len(PROMPTS)) for i in range(32)]
     jobs = [job(name, PROMPTS[p]) for name, p in plan]
     ours = await run(client, jobs)
     for (name, p), tokens in zip(plan, ours, strict=True):
@@ -237,7 +237,7 @@ async def test_admin_commands_on_a_real_worker(lora: LoraStack, client: aioredis
     await asyncio.sleep(1.0)
     entry = worker_entry(lora.worker)
     assert entry.draining and entry.paused and entry.active == 0
-    assert await client.xlen(keys.job_stream(MODEL, Role.AGGREGATED)) == 1  # not taken
+    assert await client.xlen(names.job_stream(MODEL, Role.AGGREGATED)) == 1  # not taken
     resumed = await send_worker_command(client, worker_id, Command.RESUME, 10)
     assert resumed.status == CommandStatus.OK
     assert await outputs(client, [waiting]) == [lora.reference["base"][0]]

@@ -23,9 +23,9 @@ import openai
 import pytest
 import redis
 
-from shared import keys
-from shared.adapters import LOADED
-from shared.liveness import forget_dead_process
+from shared.queue import names
+from shared.queue.liveness import forget_dead_process
+from shared.queue.lora_registry import LOADED
 from tests.e2e.lora_stack import (
     BAD,
     LORA_REDIS_URL,
@@ -104,9 +104,9 @@ def token_ids(client: openai.OpenAI, model: str, prompt: list[int], **extra: Any
     return ids
 
 
-def assert_parity(gateway: Gateway, names: tuple[str, ...]) -> None:
+def assert_parity(gateway: Gateway, served: tuple[str, ...]) -> None:
     client = gateway.openai()
-    for name in names:
+    for name in served:
         for p in PARITY_PROMPTS:
             model = MODEL if name == "base" else name
             assert token_ids(client, model, PROMPTS[p]) == gateway.lora.reference[name][p], name
@@ -181,7 +181,7 @@ def test_the_registry_survives_a_gateway_restart_and_a_lost_desired_state(
 ) -> None:
     client = redis.Redis.from_url(LORA_REDIS_URL)
     try:  # Redis forgets the desired state: the restarted gateway republishes it from SQL
-        client.delete(keys.adapters_desired(MODEL), keys.adapters_generation(MODEL))
+        client.delete(names.adapters_desired(MODEL), names.adapters_generation(MODEL))
     finally:
         client.close()
     gateway.restart()

@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from shared.redis_url import sync_client
+from shared.connections.url import sync_client
 from tests.e2e.stack import Process, Stack, wait_until
 from tests.support.sentinel import SentinelGroup
 

@@ -26,8 +26,8 @@ import openai
 import pytest
 import redis
 
-from shared import keys
-from shared.demo_model import write_demo_model
+from shared.demo.model import write_demo_model
+from shared.queue import names
 from shared.roles import Role
 from tests.e2e.stack import Process, Stack, stop_together, wait_until
 
@@ -176,7 +176,7 @@ def _tokens(vision: Vision, case: str, *, stream: bool = False, **kwargs: Any) -
 def _registry(vision: Vision, role: str) -> dict[str, Any]:
     client = redis.Redis.from_url(vision.stack.redis_url)
     try:
-        for key in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN):
+        for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN):
             value = client.get(key)
             worker = json.loads(value) if value else {}
             if worker.get("model") == vision.name and worker.get("role") == role:
@@ -226,7 +226,7 @@ def test_bad_images_are_400s_and_nothing_is_queued(vision: Vision, url: str, rea
     if url.startswith("/"):
         url = vision.pictures + url
     client = redis.Redis.from_url(vision.stack.redis_url)
-    streams = [keys.job_stream(vision.name, role) for role in (Role.AGGREGATED, Role.ENCODE)]
+    streams = [names.job_stream(vision.name, role) for role in (Role.AGGREGATED, Role.ENCODE)]
     try:
         before = [
             client.xinfo_stream(s)["entries-added"] if client.exists(s) else 0 for s in streams

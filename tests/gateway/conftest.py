@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.model_catalog import ServedModel
+from gateway.catalog.served_models import ServedModel
 from tests.gateway.harness import LiveGateway, live_gateway
 from tests.waiting import eventually
 

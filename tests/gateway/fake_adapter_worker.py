@@ -1,7 +1,7 @@
 """A fake aggregated worker that reconciles to the desired LoRA adapters and answers admin
 commands, for the in-process gateway (the real reconciler runs in tests/e2e/test_lora.py).
 
-Every ``tick_s`` it reads the desired state (:func:`shared.adapters.read_desired`) and
+Every ``tick_s`` it reads the desired state (:func:`shared.queue.lora_registry.read_desired`) and
 reports each adapter ``loaded`` when its folder exists (a folder holding a ``WRONG_BASE``
 file fails as made for another model), else ``failed: no adapter folder at ...``; a loaded
 adapter's stream is read by a :class:`FakeWorker` (echo). After :meth:`freeze` it never applies
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.adapters import LOADED, failed, read_desired
-from shared.liveness import WorkerRegistration, WorkerRegistry
+from shared.connections.connect import db_of
 from shared.protocol import WorkerCommand, WorkerCommandResult, decode_bytes
-from shared.redis_conn import db_of
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.lora_registry import LOADED, failed, read_desired
+from shared.queue.worker_commands import answer
 from shared.roles import Role
 from shared.tasks import cancel_and_wait
-from shared.worker_commands import answer
 from tests.gateway.fake_worker import FakeWorker, echo
 
 WORKER_ID = "aggregated-fake-lora-1"
@@ -99,7 +99,7 @@ class FakeAdapterWorker:
 
     async def _commands(self) -> None:
         pubsub = self._redis.pubsub()
-        await pubsub.subscribe(keys.control_channel(db_of(self._redis)))
+        await pubsub.subscribe(names.control_channel(db_of(self._redis)))
         try:
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)

@@ -1,9 +1,9 @@
 """A fake worker for the in-process gateway: the real job queue in, the real protocol out.
 
-It reads its job stream through :class:`shared.job_queue.JobQueue` (consumer group,
+It reads its job stream through :class:`shared.queue.job_queue.JobQueue` (consumer group,
 decoding) and answers each job by playing a *script*: batches of events, each
 written as ONE reply-stream entry holding a MessagePack array of events
-(:func:`shared.protocol.encode_events`), the way ``workers/journal.py`` writes one
+(:func:`shared.protocol.encode_events`), the way ``workers/journal/run_journal.py`` writes one
 engine step. A script may sleep between batches, repeat or skip ``seq`` numbers,
 fail mid-stream, or never answer at all.
 """
@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError
-from shared.job_queue import JobQueue, JobStream
 from shared.protocol import (
     EmbeddingEvent,
     EmbedJob,
@@ -30,6 +29,7 @@ from shared.protocol import (
     TokenEvent,
     encode_events,
 )
+from shared.queue.job_queue import JobQueue, JobStream
 from shared.roles import Role
 from shared.tasks import cancel_and_wait
 

@@ -33,10 +33,10 @@ from fakeredis.aioredis import FakeRedis
 from fastapi import FastAPI
 
 from gateway.app import build_app, build_state
-from gateway.model_catalog import ModelCatalog, ModelKind, ServedModel
+from gateway.catalog.served_models import ModelCatalog, ModelKind, ServedModel
 from gateway.state import GatewayState
-from shared.liveness import WorkerRegistration, WorkerRegistry
-from shared.model_redis import ModelRedis
+from shared.connections.model_redis import ModelRedis
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait

@@ -14,10 +14,10 @@ import openai
 import pytest
 from msgspec.structs import replace
 
-from shared import keys
 from shared.errors import EngineError, InvalidRequest
 from shared.protocol import Event, FinishEvent, Job
-from shared.usage import decode_usage
+from shared.queue import names
+from shared.queue.usage import decode_usage
 from tests.gateway.asgi_call import AsgiCall
 from tests.gateway.fake_worker import echo, error, finish, silent, token
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, LiveGateway, error_of
@@ -125,14 +125,14 @@ async def test_cached_prompt_tokens_reach_usage_and_the_ledger(
     assert usage["prompt_tokens_details"] == {"cached_tokens": prompt - 1}  # once per prompt
 
     async def recorded() -> bool:
-        return bool(await gateway.redis.xlen(keys.USAGE_STREAM))
+        return bool(await gateway.redis.xlen(names.USAGE_STREAM))
 
     await eventually(recorded, what="the usage record")
-    found: Any = await gateway.redis.xrange(keys.USAGE_STREAM)
+    found: Any = await gateway.redis.xrange(names.USAGE_STREAM)
     [record] = [decode_usage(fields) for _, fields in found]
     assert (record.cached_prompt_tokens, record.completion_tokens) == (prompt - 1, 4)
     # The gateway closed its open record and the request's sent tally with the row.
-    assert await gateway.redis.exists(keys.open_requests(gateway.state.gateway_id)) == 0
+    assert await gateway.redis.exists(names.open_requests(gateway.state.gateway_id)) == 0
 
 
 async def test_usage_has_no_cache_details_when_the_engine_reports_none(
@@ -176,7 +176,7 @@ async def test_a_gap_ends_a_stream_with_a_clean_error_not_a_hole(
     gateway: LiveGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway.workers[0].script = gap
-    with caplog.at_level(logging.ERROR, logger="gateway.request_handle"):
+    with caplog.at_level(logging.ERROR, logger="gateway.dispatch.request_handle"):
         response = await gateway.client.post(CHAT, json=chat(stream=True))
     assert content(response.text) == "a "
     *_, failure, done = events(response.text)
@@ -193,7 +193,7 @@ async def test_a_gap_is_a_503_for_a_json_answer(gateway: LiveGateway) -> None:
     assert "Retry-After" in response.headers
     [job] = gateway.workers[0].generate_jobs()
     await gateway.state.cells.wait_background()
-    assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
+    assert await gateway.redis.get(names.cancel_flag(job.request_id)) == b"1"
 
 
 async def rolled_back(job: Job) -> AsyncIterator[Sequence[Event]]:
@@ -209,7 +209,7 @@ async def test_a_run_resumed_from_before_what_the_client_has_ends_the_stream(
     """ "x " continues "a ", not "a b ": joining it to the client's text would splice two
     different samples. The request ends as a gap does (503 replies_lost)."""
     gateway.workers[0].script = rolled_back
-    with caplog.at_level(logging.ERROR, logger="gateway.request_handle"):
+    with caplog.at_level(logging.ERROR, logger="gateway.dispatch.request_handle"):
         response = await gateway.client.post(CHAT, json=chat(stream=True))
     assert content(response.text) == "a b "
     *_, failure, done = events(response.text)
@@ -319,7 +319,7 @@ async def test_a_silent_worker_ends_in_a_504_and_a_cancel(gateway: LiveGateway) 
     [job] = gateway.workers[0].generate_jobs()
     assert job.deadline_unix - job.created_unix == pytest.approx(0.2)
     await gateway.state.cells.wait_background()
-    assert await gateway.redis.get(keys.cancel_flag(job.request_id)) == b"1"
+    assert await gateway.redis.get(names.cancel_flag(job.request_id)) == b"1"
 
 
 async def test_a_silent_worker_ends_a_stream_with_a_timeout_event(gateway: LiveGateway) -> None:
@@ -369,10 +369,10 @@ async def lose_admission(gateway: LiveGateway, call: AsgiCall) -> None:
     entry, no admitted marker, no jobs (one script wrote them); then the reply router
     reconnects."""
     cell = gateway.state.cells.home
-    opened = keys.open_requests(cell.dispatcher.accounting.gateway_id)
+    opened = names.open_requests(cell.dispatcher.accounting.gateway_id)
     request_id = call.headers["x-request-id"]
     assert await gateway.redis.hdel(opened, request_id) == 1
-    assert await gateway.redis.delete(keys.admitted(request_id)) == 1
+    assert await gateway.redis.delete(names.admitted(request_id)) == 1
     assert cell.router.on_reconnect is not None
     await cell.router.on_reconnect()
 
@@ -388,7 +388,7 @@ async def test_a_request_whose_admission_redis_lost_is_queued_again_at_the_recon
         for call in (lost, kept):
             assert await call.start() == 200
             await call.read_until(": keep-alive")  # queued; nothing came back yet
-        with caplog.at_level(logging.WARNING, logger="gateway.lost_admissions"):
+        with caplog.at_level(logging.WARNING, logger="gateway.dispatch.lost_admissions"):
             await lose_admission(gateway, lost)
             text = await lost.read_all()
         assert content(text) == "c0-0 c0-1 c0-2 c0-3 "

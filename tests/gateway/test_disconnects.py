@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from redis.asyncio.client import PubSub
 
-from shared import keys
+from shared.connections.connect import db_of
 from shared.protocol import CancelCommand, Event, Job, decode_bytes
-from shared.redis_conn import db_of
+from shared.queue import names
 from tests.gateway.fake_worker import silent, token
 from tests.gateway.harness import BODIES, CHAT, EMBEDDINGS, LiveGateway
 from tests.waiting import eventually
@@ -30,7 +30,7 @@ async def endless(job: Job) -> AsyncIterator[Sequence[Event]]:
 @pytest.fixture
 async def control(gateway: LiveGateway) -> AsyncIterator[PubSub]:
     pubsub = gateway.redis.pubsub()
-    await pubsub.subscribe(keys.control_channel(db_of(gateway.redis)))
+    await pubsub.subscribe(names.control_channel(db_of(gateway.redis)))
     await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
     yield pubsub
     await pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -41,7 +41,7 @@ async def assert_cancelled(gateway: LiveGateway, control: PubSub, request_id: st
     message = await control.get_message(ignore_subscribe_messages=True, timeout=2.0)
     assert message is not None, "no CancelCommand on the control channel"
     assert decode_bytes(message["data"]) == CancelCommand(request_id)
-    assert await gateway.redis.get(keys.cancel_flag(request_id)) == b"1"
+    assert await gateway.redis.get(names.cancel_flag(request_id)) == b"1"
 
     async def none_open() -> bool:
         return await gateway.open_requests() == 0
@@ -89,4 +89,4 @@ async def test_a_stream_that_ends_normally_sends_no_cancel(
     assert response.text.endswith("data: [DONE]\n\n")
     await gateway.state.cells.wait_background()
     assert await control.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
-    assert await gateway.redis.get(keys.cancel_flag(response.headers["x-request-id"])) is None
+    assert await gateway.redis.get(names.cancel_flag(response.headers["x-request-id"])) is None

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.model_catalog import ServedModel
+from gateway.catalog.served_models import ServedModel
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, build_gateway
 
 FUZZ = settings(

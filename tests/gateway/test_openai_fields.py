@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.model_catalog import ServedModel
+from gateway.catalog.served_models import ServedModel
 from shared.protocol import GenerateJob, decode
 from tests.gateway.harness import (
     BODIES,

@@ -1,4 +1,4 @@
-"""A gateway over two Redis (gateway/redis_cells.py): ``tiny`` lives on its own Redis,
+"""A gateway over two Redis (gateway/dispatch/cells.py): ``tiny`` lives on its own Redis,
 ``tiny-embed`` (and the control plane) on the home one. Each request's jobs, events,
 cancel and images stay on its model's Redis; /ready needs both."""
 
@@ -15,12 +15,12 @@ import pytest
 from fakeredis.aioredis import FakeRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.model_catalog import ServedModel
-from shared import keys
-from shared.liveness import WorkerRegistration, WorkerRegistry
-from shared.model_redis import ModelRedis
+from gateway.catalog.served_models import ServedModel
+from shared.connections.connect import db_of
+from shared.connections.model_redis import ModelRedis
 from shared.protocol import CancelCommand, decode_bytes
-from shared.redis_conn import db_of
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
 from tests.gateway.fake_worker import silent
 from tests.gateway.harness import BODIES, CHAT, EMBEDDINGS, LiveGateway, live_gateway
@@ -76,14 +76,14 @@ async def test_each_model_is_queued_on_its_own_redis_and_answered_through_its_ce
     assert embed.status_code == 200, embed.text
 
     home, shard = two.client(two.home), two.client(two.shard)
-    reply = keys.reply_stream("gw-test")
+    reply = names.reply_stream("gw-test")
     # the chat tokens came back on the shard's reply stream, the embedding on home's
     assert await shard.xlen(reply) == 2 and await home.xlen(reply) == 1
     assert await _stream_keys(shard, "conveyor:jobs:*") == {"conveyor:jobs:tiny:aggregated"}
     assert await _stream_keys(home, "conveyor:jobs:*") == {"conveyor:jobs:tiny-embed:embed"}
     # each request's usage row is queued where it was admitted
-    assert await shard.xlen(keys.USAGE_STREAM) == 1
-    assert await home.xlen(keys.USAGE_STREAM) == 1
+    assert await shard.xlen(names.USAGE_STREAM) == 1
+    assert await home.xlen(names.USAGE_STREAM) == 1
 
 
 async def test_a_streamed_chat_comes_back_through_the_shard_reply_router(two: TwoRedis) -> None:
@@ -91,7 +91,7 @@ async def test_a_streamed_chat_comes_back_through_the_shard_reply_router(two: Tw
     assert response.status_code == 200
     assert response.text.endswith("data: [DONE]\n\n")
     assert "c0-1" in response.text
-    assert two.gateway.state.cells.for_model("tiny").router.stream == keys.reply_stream("gw-test")
+    assert two.gateway.state.cells.for_model("tiny").router.stream == names.reply_stream("gw-test")
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ async def test_a_cancel_goes_to_the_redis_of_the_request(
     target, other = (two.shard, two.home) if on_shard else (two.home, two.shard)
     listener = two.client(target)
     control = listener.pubsub()
-    await control.subscribe(keys.control_channel(db_of(listener)))
+    await control.subscribe(names.control_channel(db_of(listener)))
     await control.get_message(timeout=1.0)
 
     async def queued() -> bool:
@@ -120,8 +120,8 @@ async def test_a_cancel_goes_to_the_redis_of_the_request(
     assert job.model == model
     message = await control.get_message(ignore_subscribe_messages=True, timeout=2.0)
     assert message is not None and decode_bytes(message["data"]) == CancelCommand(job.request_id)
-    assert await listener.get(keys.cancel_flag(job.request_id)) == b"1"
-    assert await two.client(other).get(keys.cancel_flag(job.request_id)) is None
+    assert await listener.get(names.cancel_flag(job.request_id)) == b"1"
+    assert await two.client(other).get(names.cancel_flag(job.request_id)) is None
     await control.aclose()  # type: ignore[no-untyped-call]
 
 

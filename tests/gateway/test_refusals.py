@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.image_fetch import ImageFetcher
-from gateway.model_catalog import ServedModel
-from shared.job_queue import JobQueue
+from gateway.catalog.served_models import ServedModel
+from gateway.images.fetch import ImageFetcher
+from shared.queue.job_queue import JobQueue
 from shared.roles import Role
 from tests.gateway.harness import (
     BODIES,

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.model_catalog import ServedModel
-from gateway.schemas import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
-from gateway.tokenizer import ModelTokenizer
+from gateway.catalog.served_models import ServedModel
+from gateway.catalog.tokenizer import ModelTokenizer
+from gateway.openai.schemas import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from shared.protocol import GenerateJob, decode
 from tests.gateway.harness import (
     BODIES,

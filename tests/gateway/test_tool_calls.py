@@ -13,8 +13,8 @@ import openai
 import pytest
 from msgspec.structs import replace
 
-from gateway.model_catalog import ServedModel
-from gateway.output_formats import OutputFormats
+from gateway.catalog.served_models import ServedModel
+from gateway.openai.output_formats import OutputFormats
 from shared.protocol import Event, GenerateJob, Job
 from tests.gateway.fake_worker import finish, token
 from tests.gateway.harness import CHAT, LiveGateway, live_gateway

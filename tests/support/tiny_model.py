@@ -19,9 +19,9 @@ from tokenizers import (
     trainers,
 )
 
-from gateway.model_catalog import ServedModel
-from gateway.output_formats import detect
-from gateway.tokenizer import ModelTokenizer
+from gateway.catalog.served_models import ServedModel
+from gateway.catalog.tokenizer import ModelTokenizer
+from gateway.openai.output_formats import detect
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.demo_lora import MARKER_FILE, RANK, TARGET_MODULES, LlamaShapes, write_demo_lora
-from workers.engines.adapter_check import check_adapter
+from shared.demo.lora import MARKER_FILE, RANK, write_demo_lora
+from shared.peft_layout import TARGET_MODULES, LlamaShapes
 from workers.engines.base import AdapterLoadError
+from workers.engines.lora.check import check_adapter
 
 CONFIG = {
     "hidden_size": 256,

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from tests.waiting import eventually
-from workers.engines.adapter_gate import AdapterClosed, AdapterGate
+from workers.engines.lora.gate import AdapterClosed, AdapterGate
 
 
 class Holders:

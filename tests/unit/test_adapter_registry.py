@@ -1,4 +1,4 @@
-"""The LoRA desired state in Redis (shared/adapters.py): codec, atomic publish, reports.
+"""The LoRA desired state in Redis (shared/queue/lora_registry.py): codec, atomic publish, reports.
 
 On fakeredis and the real Redis. Also: the protocol and registry fields LoRA added keep
 old and new readers compatible.
@@ -14,8 +14,10 @@ import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import keys
-from shared.adapters import (
+from shared.protocol import GenerateJob, SamplingOptions, decode, encode
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.lora_registry import (
     LOADED,
     LOADING,
     AdapterSpec,
@@ -32,13 +34,11 @@ from shared.adapters import (
     validate_adapter_name,
     wait_for_rollout,
 )
-from shared.liveness import WorkerRegistration, WorkerRegistry
-from shared.protocol import GenerateJob, SamplingOptions, decode, encode
 from shared.roles import Role
 
 BASE = "tiny"
-names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,40}", fullmatch=True)
-specs = st.builds(AdapterSpec, name=names, path=st.text(max_size=60), base_model=st.text())
+lora_names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,40}", fullmatch=True)
+specs = st.builds(AdapterSpec, name=lora_names, path=st.text(max_size=60), base_model=st.text())
 
 
 @given(specs)
@@ -59,7 +59,7 @@ def test_names_that_cannot_be_a_model_and_stream_name_are_refused(name: str) -> 
 
 
 def test_an_adapter_has_its_own_aggregated_stream() -> None:
-    assert adapter_stream("sql-lora") == keys.job_stream("sql-lora", Role.AGGREGATED)
+    assert adapter_stream("sql-lora") == names.job_stream("sql-lora", Role.AGGREGATED)
 
 
 async def test_publish_replaces_everything_and_bumps_the_generation(
@@ -110,7 +110,7 @@ async def test_unreadable_entries_are_named_not_fatal(redis_backend: aioredis.Re
     good = AdapterSpec(name="a", path="/x/a", base_model=BASE)
     await publish_desired(redis_backend, BASE, [good])
     await redis_backend.hset(
-        keys.adapters_desired(BASE),
+        names.adapters_desired(BASE),
         mapping={  # type: ignore[misc]
             "future": b"9:whatever",
             "renamed": encode_spec(AdapterSpec(name="other", path="/x", base_model=BASE)),

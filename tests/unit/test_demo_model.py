@@ -1,4 +1,4 @@
-"""Tests for shared.demo_model (no vLLM: only the generated files are checked)."""
+"""Tests for shared.demo.model (no vLLM: only the generated files are checked)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.demo_model import (
+from shared.demo.model import (
     DEMO_MODEL_NOTICE,
     MARKER_FILE,
     is_demo_model,
@@ -211,7 +211,7 @@ def test_notice() -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, shared.demo_model\n"
+        "import sys, shared.demo.model\n"
         "heavy = {'torch', 'transformers', 'tokenizers', 'vllm'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

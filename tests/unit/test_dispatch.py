@@ -8,12 +8,12 @@ import fakeredis.aioredis
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.dispatch import AdmissionPolicy, Dispatcher
-from gateway.worker_directory import WorkerDirectory
-from shared.job_queue import Admission, AdmissionResult
-from shared.liveness import WorkerRegistry
+from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
+from gateway.dispatch.reply_router import ReplyRouter
+from gateway.dispatch.worker_directory import WorkerDirectory
 from shared.protocol import GenerateJob, SamplingOptions
-from shared.reply_stream import ReplyRouter
+from shared.queue.job_queue import Admission, AdmissionResult
+from shared.queue.liveness import WorkerRegistry
 
 
 def dispatcher(retry_s: float) -> Dispatcher:

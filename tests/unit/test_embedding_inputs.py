@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.embeddings import _encode, input_token_ids
-from gateway.model_catalog import ModelKind, ServedModel, load_model
-from gateway.schemas import EmbeddingRequest
+from gateway.catalog.served_models import ModelKind, ServedModel, load_model
+from gateway.openai.schemas import EmbeddingRequest
+from gateway.serving.embeddings import _encode, input_token_ids
 from shared.errors import ContextLengthExceeded, InvalidRequest, WrongModelKind
 
 

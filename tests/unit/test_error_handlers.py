@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from gateway.error_handlers import install_error_handlers
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from shared import errors
 from shared.errors import ConveyorError, RemoteError, RetryableError
 from shared.protocol import ErrorEvent

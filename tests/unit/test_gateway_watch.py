@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import fakeredis.aioredis
 
-from shared import keys
-from shared.liveness import GatewayWatch
+from shared.queue import names
+from shared.queue.liveness import GatewayWatch
 
 
 class Clock:
@@ -63,7 +63,7 @@ def test_long_dead_gateways_are_forgotten() -> None:
 async def test_gone_reads_the_liveness_keys() -> None:
     redis = fakeredis.aioredis.FakeRedis()
     gateways, clock = watch(grace_s=1.0, redis=redis)
-    await redis.set(keys.gateway_heartbeat("gw-live"), b"1")
+    await redis.set(names.gateway_heartbeat("gw-live"), b"1")
     assert await gateways.gone(["gw-live", "gw-dead"]) == set()
     clock.now += 1.0
     assert await gateways.gone(["gw-live", "gw-dead", "gw-dead"]) == {"gw-dead"}

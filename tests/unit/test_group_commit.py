@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.group_commit import GroupCommit, WriterCancelled
+from gateway.dispatch.group_commit import GroupCommit, WriterCancelled
 
 
 class Recorder:

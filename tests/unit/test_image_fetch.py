@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.image_fetch import FetchPolicy, ImageFetcher, IPAddress
+from gateway.images.fetch import FetchPolicy, ImageFetcher, IPAddress
 from shared.errors import ImageFetchError
 
 PNG = base64.b64decode(

@@ -10,19 +10,19 @@ import fakeredis.aioredis
 import pytest
 from PIL import Image
 
-from gateway import translate
-from gateway.image_fetch import FetchPolicy, ImageFetcher
-from gateway.image_inputs import ImageInputs
-from gateway.model_catalog import ServedModel
-from gateway.plan import Deadline
-from gateway.schemas import ChatCompletionRequest
-from shared import keys
+from gateway.catalog.served_models import ServedModel
+from gateway.dispatch.plan import Deadline
+from gateway.images.fetch import FetchPolicy, ImageFetcher
+from gateway.images.inputs import ImageInputs
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.serving import translate
 from shared.errors import InvalidRequest
 from shared.images import ImageLimits, check_image, content_hash, sniff_format
-from shared.media_store import ImageStore
 from shared.protocol import ImageRef
+from shared.queue import names
+from shared.queue.media_store import ImageStore
 from tests.support.tiny_model import build_vision_model
-from workers.engines.embedding_cache import EmbeddingCache
+from workers.engines.vision.embedding_cache import EmbeddingCache
 
 
 def _image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 8), color: str = "red") -> bytes:
@@ -90,8 +90,8 @@ async def test_images_are_stored_once_by_content(
     refs = await collect(inputs, request, vision_model)
     assert [ref.digest for ref in refs][:2] == [content_hash(png)] * 2
     assert refs[2].digest != refs[0].digest
-    assert await redis.get(keys.image(content_hash(png))) == png
-    assert 30 < await redis.ttl(keys.image(content_hash(png))) <= 30 + 120
+    assert await redis.get(names.image(content_hash(png))) == png
+    assert 30 < await redis.ttl(names.image(content_hash(png))) <= 30 + 120
     prompt = translate.chat_prompt(request, vision_model, len(refs))
     assert prompt.count(vision_model.image_token_id) == 3  # type: ignore[arg-type]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import fakeredis.aioredis
 import pytest
 
-from shared import keys
 from shared.errors import MediaMissing
-from shared.media_store import (
+from shared.queue import names
+from shared.queue.media_store import (
     FileEmbeddingStore,
     ImageStore,
     RedisEmbeddingStore,
@@ -25,9 +25,9 @@ async def test_image_store_keeps_one_copy_and_extends_its_life() -> None:
     await store.put_many([("abc", b"png-bytes")], ttl_s=60)
     await store.put_many([("abc", b"png-bytes")], ttl_s=600)  # a later request needs it longer
     assert await store.get("abc") == b"png-bytes"
-    assert 60 < await redis.ttl(keys.image("abc")) <= 600
+    assert 60 < await redis.ttl(names.image("abc")) <= 600
     await store.put_many([("abc", b"png-bytes")], ttl_s=10)  # never shortened
-    assert await redis.ttl(keys.image("abc")) > 60
+    assert await redis.ttl(names.image("abc")) > 60
     with pytest.raises(MediaMissing, match="expired"):
         await store.get("missing")
 
@@ -38,7 +38,7 @@ async def test_redis_embedding_transport() -> None:
     assert isinstance(store, RedisEmbeddingStore)
     await store.put("m", "abc", b"\x00\x01", ttl_s=30)
     assert await store.get("m", "abc") == b"\x00\x01"
-    assert 0 < await redis.ttl(keys.image_embedding("m", "abc")) <= 30
+    assert 0 < await redis.ttl(names.image_embedding("m", "abc")) <= 30
     with pytest.raises(MediaMissing):
         await store.get("other-model", "abc")
 

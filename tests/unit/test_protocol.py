@@ -186,7 +186,7 @@ events = st.one_of(token_events, finish_events, error_events, embedding_events)
 
 
 def lua_batch(payloads: list[bytes]) -> bytes:
-    """What workers/journal_scripts.py's WRITE script sends: an array32 header + payloads."""
+    """What workers/journal/scripts.py's WRITE script sends: an array32 header + payloads."""
     return b"\xdd" + len(payloads).to_bytes(4, "big") + b"".join(payloads)
 
 

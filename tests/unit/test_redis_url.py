@@ -1,4 +1,4 @@
-"""shared/redis_url.py: the ``redis+sentinel://`` grammar, and which client each URL gets."""
+"""shared/connections/url.py: the ``redis+sentinel://`` grammar, and which client each URL gets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.sentinel import SentinelConnectionPool
 
-from shared.redis_conn import BoundedSentinelConnectionPool, connect, db_of
-from shared.redis_url import (
+from shared.connections.connect import BoundedSentinelConnectionPool, connect, db_of
+from shared.connections.url import (
     DEFAULT_SENTINEL_PORT,
     SentinelUrl,
     async_client,
@@ -121,7 +121,7 @@ async def test_a_sentinel_url_gets_sentinel_pools_with_the_nodes_settings() -> N
 
 
 def test_per_model_urls_may_be_sentinel_urls_with_their_own_commas() -> None:
-    from shared.model_redis import parse_model_redis_urls
+    from shared.connections.model_redis import parse_model_redis_urls
 
     sentinel = "redis+sentinel://:pw@h1:26379,h2,h3:26380/m/1?sentinel_password=sp"
     text = f"org/big={sentinel}, small=redis://r3:6379/0,other={sentinel}"
@@ -136,7 +136,7 @@ def test_per_model_urls_may_be_sentinel_urls_with_their_own_commas() -> None:
 
 
 def test_a_sentinel_url_is_shown_without_its_secrets() -> None:
-    from gateway.redis_cells import shown_url
+    from gateway.dispatch.cells import shown_url
 
     url = "redis+sentinel://:pw@h1:26379,h2/m/1?sentinel_password=sp"
     assert shown_url(url) == "redis+sentinel://h1:26379,h2:26379/m/1"

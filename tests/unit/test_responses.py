@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.responses import ChatFormat, ChoiceState, CompletionFormat, Usage
+from gateway.openai.responses import ChatFormat, ChoiceState, CompletionFormat, Usage
 from shared.protocol import FinishEvent, TokenEvent, TokenLogprob, TopLogprob
 
 ENVELOPE_KEYS = {"id", "object", "created", "model", "choices"}

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway.schemas import (
+from gateway.openai.schemas import (
     MAX_COMPLETION_LOGPROBS,
     MAX_N,
     MAX_STOP_SEQUENCES,

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 from shared.errors import ContextLengthExceeded, EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from shared.settings import Settings
-from workers.engines import sglang_engine
 from workers.engines.base import EngineInfo, StepOutput
-from workers.engines.sglang_engine import (
+from workers.engines.sglang import engine as sglang_engine
+from workers.engines.sglang.engine import (
     FAKE_BOOTSTRAP_HOST,
     SglangEngine,
     SglangLaunchConfig,
@@ -297,7 +297,7 @@ def _clean_network() -> Iterator[None]:
 
 
 def test_module_imports_without_sglang() -> None:
-    code = "import sys, workers.engines.sglang_engine; assert 'sglang' not in sys.modules"
+    code = "import sys, workers.engines.sglang.engine; assert 'sglang' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from shared.settings import Settings
-from workers.engines.vllm_placement import side_channel_host
+from workers.engines.vllm.placement import side_channel_host
 
 
 def test_loopback_by_default_for_one_host() -> None:

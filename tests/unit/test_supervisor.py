@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from conveyor.supervisor import Child, Supervisor
-from shared import keys
-from shared.liveness import forget_dead_process
+from shared.queue import names
+from shared.queue.liveness import forget_dead_process
 from tests.conftest import REAL_REDIS_URL
 from tests.waiting import eventually_sync
 
@@ -47,13 +47,13 @@ def test_forget_dead_process_removes_only_that_process() -> None:
             "aggregated-box-14242-aaaaaa",
             "aggregated-other-4242-bbbbbb",
         ):
-            client.set(keys.worker_heartbeat(worker_id), b"{}", px=60_000)
+            client.set(names.worker_heartbeat(worker_id), b"{}", px=60_000)
         gone = forget_dead_process(REAL_REDIS_URL, 4242, host="box")
         assert sorted(gone) == ["aggregated-box-4242-abc123", "decode-box-4242-def456"]
-        left = sorted(k.decode() for k in client.scan_iter(keys.WORKER_HEARTBEAT_PATTERN))
+        left = sorted(k.decode() for k in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
         assert left == [
-            keys.worker_heartbeat("aggregated-box-14242-aaaaaa"),
-            keys.worker_heartbeat("aggregated-other-4242-bbbbbb"),
+            names.worker_heartbeat("aggregated-box-14242-aaaaaa"),
+            names.worker_heartbeat("aggregated-other-4242-bbbbbb"),
         ]
     finally:
         client.flushdb()

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from gateway.model_catalog import ServedModel
-from gateway.output_formats import OutputFormats, detect
-from gateway.schemas import ChatCompletionRequest
-from gateway.tool_choice import MAX_SCHEMA_DEPTH, MAX_TOOL_SCHEMA_BYTES, plan_tools
+from gateway.catalog.served_models import ServedModel
+from gateway.openai.output_formats import OutputFormats, detect
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.serving.tool_choice import MAX_SCHEMA_DEPTH, MAX_TOOL_SCHEMA_BYTES, plan_tools
 from shared.errors import InvalidRequest, UnsupportedParameter
 
 QWEN_LIKE = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>...</tool_call>"

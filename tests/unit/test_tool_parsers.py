@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.output_parsing import ChoiceOutput, OutputParser, Parsed, message
-from gateway.tool_parsers import CallText, hermes, llama3_json, mistral, named, required
+from gateway.openai.output_parsing import ChoiceOutput, OutputParser, Parsed, message
+from gateway.openai.tool_parsers import CallText, hermes, llama3_json, mistral, named, required
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 TIME = '{"timezone": "Europe/Paris"}'

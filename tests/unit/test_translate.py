@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway import translate
-from gateway.model_catalog import ServedModel
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.tokenizer import ModelTokenizer
+from gateway.catalog.served_models import ServedModel
+from gateway.catalog.tokenizer import ModelTokenizer
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving import translate
 from shared.errors import ChatTemplateError, ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateJob, SamplingOptions, decode, encode
 from tests.support.tiny_model import MAX_MODEL_LEN, build_tokenizer_folder
@@ -307,7 +307,7 @@ def test_chat_logprobs(fields: dict[str, Any], expected: int | None) -> None:
 
 def test_unknown_fields_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     log = translate.UnknownFieldLog()
-    with caplog.at_level(logging.INFO, logger="gateway.translate"):
+    with caplog.at_level(logging.INFO, logger="gateway.serving.translate"):
         log.note(chat(foo=1, bar=2))
         log.note(chat(foo=3))
         log.note(completion(bar=1, baz=2))

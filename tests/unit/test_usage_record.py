@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.errors import ProtocolError
-from shared.usage import UsageRecord, decode_usage, encode_usage
+from shared.queue.usage import UsageRecord, decode_usage, encode_usage
 
 counts = st.integers(min_value=0, max_value=2**31 - 1)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)

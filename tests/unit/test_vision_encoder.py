@@ -1,4 +1,4 @@
-"""workers.engines.vision_encoder without vLLM: the wire format, vLLM's input shapes, and the
+"""workers.engines.vision.encoder without vLLM: the wire format, vLLM's input shapes, and the
 encoder against transformers' full model on the tiny demo models."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.demo_model import write_demo_model
-from workers.engines.vision_encoder import (
+from shared.demo.model import write_demo_model
+from workers.engines.vision.encoder import (
     ImageEmbedding,
     VisionEncoder,
     to_vllm_input,
@@ -142,7 +142,7 @@ def test_text_model_has_no_vision_family(tmp_path: Path) -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, workers.engines.vision_encoder\n"
+        "import sys, workers.engines.vision.encoder\n"
         "heavy = {'torch', 'transformers', 'PIL', 'vllm'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

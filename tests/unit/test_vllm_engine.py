@@ -1,4 +1,4 @@
-"""The vLLM adapter's translation, against vLLM's own classes (workers/engines/vllm_engine.py):
+"""The vLLM adapter's translation, against vLLM's own classes (workers/engines/vllm/engine.py):
 SamplingOptions -> SamplingParams, job prompt + images -> TokensPrompt, RequestOutput ->
 StepOutput, and every vLLM exception -> the Conveyor error tree. No engine starts; this is
 the one test module that imports vllm (about 10 s)."""
@@ -23,8 +23,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from shared.errors import ConveyorError, EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
 from workers.engines.base import PromptImages, StepOutput
-from workers.engines.vision_encoder import ImageEmbedding
-from workers.engines.vllm_translate import (
+from workers.engines.vision.encoder import ImageEmbedding
+from workers.engines.vllm.translate import (
     sampling_params,
     step_output,
     tokens_prompt,

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from shared.demo_lora import write_demo_lora
+from shared.demo.lora import write_demo_lora
 from shared.errors import EngineDead, ModelNotFound
 from shared.settings import Settings
 from workers.engines.base import AdapterLoadError
-from workers.engines.vllm_lora import ZERO_ID, VllmAdapters, engine_args, lora_request
+from workers.engines.vllm.lora import ZERO_ID, VllmAdapters, engine_args, lora_request
 
 CONFIG = {
     "hidden_size": 256,

@@ -1,4 +1,4 @@
-"""The worker's LoRA reconciler (workers/adapters.py) around a fake engine, on fakeredis
+"""The worker's LoRA reconciler (workers/commands/lora_sync.py) around a fake engine, on fakeredis
 and the real Redis: registered adapters load before the worker reads or reports ready,
 an adapter's stream is read only while it is loaded there, removal serves what was
 queued and waits for running sequences, failures are reported with their reason."""
@@ -15,8 +15,11 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import keys
-from shared.adapters import (
+from shared.protocol import ErrorEvent, FinishEvent, GenerateJob
+from shared.queue import names
+from shared.queue.job_queue import JobQueue
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.lora_registry import (
     LOADED,
     UNLOADING,
     AdapterSpec,
@@ -24,16 +27,13 @@ from shared.adapters import (
     failure_reason,
     publish_desired,
 )
-from shared.job_queue import JobQueue
-from shared.liveness import WorkerRegistration, WorkerRegistry
-from shared.protocol import ErrorEvent, FinishEvent, GenerateJob
 from shared.roles import Role
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import MODEL, FakeEngine, Harness, Timing, make_job, worker
 from tests.waiting import eventually
-from workers.adapters import AdapterTiming
-from workers.engines.adapter_gate import AdapterClosed, AdapterGate
+from workers.commands.lora_sync import AdapterTiming
 from workers.engines.base import AdapterLoadError, EngineAdapters
+from workers.engines.lora.gate import AdapterClosed, AdapterGate
 from workers.roles.base import NO_ADAPTERS
 
 FAST = Timing(
@@ -130,7 +130,7 @@ async def test_registered_adapters_load_before_the_worker_reads_or_is_ready(
 
     async def setup(redis: aioredis.Redis) -> None:
         await publish_desired(redis, MODEL, [spec("a", tmp_path), spec("b", tmp_path / "x")])
-        await submit(redis, keys.job_stream(MODEL, Role.AGGREGATED), make_job("base"))
+        await submit(redis, names.job_stream(MODEL, Role.AGGREGATED), make_job("base"))
         await submit(redis, adapter_stream("a"), adapter_job("lora", "a"))
 
     async with worker(redis_target, engine, setup=setup, timing=FAST, heartbeat_ttl_s=0.2) as w:
@@ -233,7 +233,7 @@ async def test_lost_desired_state_keeps_what_is_loaded(
     async with worker(redis_target, LoraEngine(adapters), timing=FAST, heartbeat_ttl_s=0.2) as w:
         await publish_desired(w.redis, MODEL, [spec("a", tmp_path)])
         await eventually(lambda: _loaded(w, "a"), what="a to load")
-        await w.redis.delete(keys.adapters_desired(MODEL), keys.adapters_generation(MODEL))
+        await w.redis.delete(names.adapters_desired(MODEL), names.adapters_generation(MODEL))
         await asyncio.sleep(0.3)
         assert adapters.loaded() == ["a"] and await _loaded(w, "a")
 

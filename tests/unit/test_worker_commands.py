@@ -1,14 +1,14 @@
-"""Worker admin commands end to end over Redis (shared/worker_commands.py ->
-workers/control.py), on fakeredis and the real Redis, around a fake engine."""
+"""Worker admin commands end to end over Redis (shared/queue/worker_commands.py ->
+workers/commands/admin.py), on fakeredis and the real Redis, around a fake engine."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from shared.liveness import WorkerRegistration, WorkerRegistry
 from shared.protocol import FinishEvent, WorkerCommandResult
-from shared.worker_commands import Command, CommandStatus, send_worker_command
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.queue.worker_commands import Command, CommandStatus, send_worker_command
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import FakeEngine, Harness, Timing, make_job, worker
 from tests.waiting import eventually

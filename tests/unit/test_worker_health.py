@@ -7,10 +7,10 @@ import functools
 import time
 from collections.abc import AsyncIterator
 
-from shared import keys
 from shared.errors import EngineError
-from shared.liveness import WorkerRegistry
 from shared.protocol import SamplingOptions, TokenEvent
+from shared.queue import names
+from shared.queue.liveness import WorkerRegistry
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import (
@@ -23,8 +23,8 @@ from tests.unit.worker_harness import (
     worker,
 )
 from tests.waiting import eventually
-from workers.canary import Canary
 from workers.engines.base import Handoff, PromptTokenStats, StepOutput
+from workers.health.canary import Canary
 from workers.roles import generate
 
 
@@ -34,7 +34,7 @@ async def test_heartbeat_registers_the_worker(redis_target: RedisTarget) -> None
     async with worker(redis_target, engine, max_slots=3) as w:
 
         async def registered() -> bool:
-            return bool(await w.redis.exists(keys.worker_heartbeat("w-test")))
+            return bool(await w.redis.exists(names.worker_heartbeat("w-test")))
 
         await eventually(registered, what="the heartbeat")
         [registration] = await WorkerRegistry(w.redis, ttl_s=3.0).live_workers()
@@ -64,7 +64,7 @@ async def test_engine_found_dead_by_the_health_check_stops_the_worker(
         assert w.runtime.engine_dead is True
         assert all(isinstance(e, TokenEvent) for e in await w.events("running"))
         assert await w.redis.xlen(STREAM) == 1
-        assert (await w.redis.xpending(STREAM, keys.JOB_GROUP))["pending"] == 0
+        assert (await w.redis.xpending(STREAM, names.JOB_GROUP))["pending"] == 0
         assert engine.running() == 0
 
 

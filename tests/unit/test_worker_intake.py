@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from shared import keys
 from shared.protocol import ErrorEvent, FinishEvent, GenerateJob, TokenEvent, decode
+from shared.queue import names
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import (
     FAST_JANITOR,
@@ -31,7 +31,7 @@ from tests.unit.worker_harness import (
 
 async def test_cancel_flag_set_before_dequeue_drops_the_job(redis_target: RedisTarget) -> None:
     async with worker(redis_target) as w:
-        await w.redis.set(keys.cancel_flag("gone"), b"1")
+        await w.redis.set(names.cancel_flag("gone"), b"1")
         await w.submit(make_job("gone"), make_job("gone", 1))
         await w.submit(make_job("stays"))
         await w.final_events("stays")
@@ -207,11 +207,11 @@ async def test_job_that_failed_max_deliveries_times_is_dead_lettered(
     ) as w:
         [event] = await w.final_events("poison")
         await w.drained()
-        [(_, fields)] = await entries(w.redis, keys.dead_letter_stream(STREAM))
+        [(_, fields)] = await entries(w.redis, names.dead_letter_stream(STREAM))
         assert decode(fields) == job
         assert fields[b"entry"].decode() == entry[0]
         assert b"dead-letter" in fields[b"reason"]
-        assert await w.redis.exists(keys.job_run("poison/0", STAGE)) == 0
+        assert await w.redis.exists(names.job_run("poison/0", STAGE)) == 0
     assert isinstance(event, ErrorEvent)
     assert (event.status, event.type, event.code) == (500, "server_error", "job_failed_repeatedly")
     assert (event.seq, event.attempt) == (0, 2)
@@ -230,7 +230,7 @@ async def test_crashes_then_a_hand_back_count_only_the_crashes(redis_target: Red
     ) as w:
         [event] = await w.final_events("poison")
         await w.drained()
-        assert await w.redis.xlen(keys.dead_letter_stream(STREAM)) == 1
+        assert await w.redis.xlen(names.dead_letter_stream(STREAM)) == 1
     assert isinstance(event, ErrorEvent)
     assert (event.code, event.attempt) == ("job_failed_repeatedly", 2)
     assert engine.started == []
@@ -251,7 +251,7 @@ async def test_job_that_failed_fewer_times_still_runs(redis_target: RedisTarget)
     ) as w:
         events = await w.final_events("retry")
         await w.drained()
-        assert await w.redis.xlen(keys.dead_letter_stream(STREAM)) == 0
+        assert await w.redis.xlen(names.dead_letter_stream(STREAM)) == 0
     assert events[-1] == FinishEvent("retry", 0, 2, 1, "stop", 3, 2)
     # Nothing was emitted before: a restart from scratch, not a migration.
     assert engine.requests[0][1] == [1, 2, 3]

@@ -11,8 +11,8 @@ import time
 import pytest
 import redis
 
-from shared import keys
 from shared.protocol import FinishEvent, GenerateJob, encode
+from shared.queue import names
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import (
     GATEWAY,
@@ -24,7 +24,7 @@ from tests.unit.worker_harness import (
     worker,
 )
 from tests.waiting import eventually
-from workers.janitor import (
+from workers.intake.janitor import (
     JANITOR_INTERVAL_S,
     LOST_CONFIRM_S,
     LOST_ENTRY_IDLE_MS,
@@ -49,7 +49,7 @@ async def test_running_job_is_aborted_once_its_gateway_stays_gone(
             return engine.running() == 1
 
         await eventually(streaming, what="the job to stream")
-        await w.redis.delete(keys.gateway_heartbeat(GATEWAY))
+        await w.redis.delete(names.gateway_heartbeat(GATEWAY))
 
         async def aborted() -> bool:
             return engine.running() == 0 and w.runtime.active_jobs() == 0
@@ -69,7 +69,7 @@ async def _pending_to_this_worker(w: Harness, job: GenerateJob) -> None:
     leaves behind when it loses an ack the worker saw succeed (or a read's reply)."""
     async with w.redis.pipeline(transaction=True) as pipe:
         pipe.xadd(STREAM, encode(job))
-        pipe.xreadgroup(keys.JOB_GROUP, WORKER, {STREAM: ">"}, count=1)
+        pipe.xreadgroup(names.JOB_GROUP, WORKER, {STREAM: ">"}, count=1)
         await pipe.execute()
 
 

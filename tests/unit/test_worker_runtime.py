@@ -18,9 +18,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared import keys
 from shared.errors import EngineDead, EngineError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
+from shared.queue import names
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
 from tests.unit.worker_harness import (
@@ -168,7 +168,7 @@ async def test_stop_lets_running_jobs_finish(redis_target: RedisTarget) -> None:
         await asyncio.wait_for(asyncio.shield(w.task), 5.0)
         assert isinstance((await w.events("r1"))[-1], FinishEvent)
         await w.drained()
-        assert await w.redis.exists(keys.worker_heartbeat("w-test")) == 0
+        assert await w.redis.exists(names.worker_heartbeat("w-test")) == 0
 
 
 async def test_stop_without_grace_hands_running_jobs_back(redis_target: RedisTarget) -> None:
@@ -184,15 +184,15 @@ async def test_stop_without_grace_hands_running_jobs_back(redis_target: RedisTar
         assert [e.seq for e in sent] == list(range(len(sent)))
         journaled = await emitted_tokens(w.redis, "moving/0")
         assert journaled == [t for e in sent for t in e.token_ids]
-        run = await w.redis.hgetall(keys.job_run("moving/0", STAGE))
+        run = await w.redis.hgetall(names.job_run("moving/0", STAGE))
         assert b"owner" not in run
         assert int(run[b"seq"]) == len(sent)
         assert run[b"starts"] == b"0"  # a hand-back is not a failed delivery
         assert await w.redis.xlen(STREAM) == 1  # queued again...
-        pending = await w.redis.xpending(STREAM, keys.JOB_GROUP)
+        pending = await w.redis.xpending(STREAM, names.JOB_GROUP)
         assert pending["pending"] == 0  # ...and the delivery it had is acked
         assert engine.cancelled == ["moving/0"]
-        assert await w.redis.exists(keys.worker_heartbeat("w-test")) == 0
+        assert await w.redis.exists(names.worker_heartbeat("w-test")) == 0
 
         # Another worker picks it up and continues where this one stopped.
         successor = FakeEngine(tokens=3)
@@ -229,13 +229,13 @@ async def test_hand_backs_never_dead_letter_a_job(redis_target: RedisTarget) -> 
                 sent = await w.events("rolling")
                 assert all(isinstance(e, TokenEvent) for e in sent)
                 assert engine.cancelled == ["rolling/0"]
-                assert await w.redis.hget(keys.job_run("rolling/0", STAGE), "starts") == b"0"
+                assert await w.redis.hget(names.job_run("rolling/0", STAGE), "starts") == b"0"
 
         last = FakeEngine(tokens=3)
         async with worker(redis_target, last, fresh=False, worker_id="w-last", **strict) as w:
             events = await w.final_events("rolling")
             await w.drained()
-            assert await w.redis.xlen(keys.dead_letter_stream(STREAM)) == 0
+            assert await w.redis.xlen(names.dead_letter_stream(STREAM)) == 0
     finally:
         await redis_target.flush()
     assert events[: len(sent)] == sent
@@ -262,7 +262,7 @@ async def test_engine_dead_mid_stream_stops_the_worker_and_hands_jobs_back(
             assert [type(e) for e in sent] == [TokenEvent, TokenEvent]  # no error to clients
             assert await emitted_tokens(w.redis, f"{request_id}/0") == [100, 101]
         assert await w.redis.xlen(STREAM) == 2
-        assert (await w.redis.xpending(STREAM, keys.JOB_GROUP))["pending"] == 0
+        assert (await w.redis.xpending(STREAM, names.JOB_GROUP))["pending"] == 0
 
 
 async def test_a_job_that_kills_the_engine_is_dead_lettered(redis_target: RedisTarget) -> None:
@@ -286,7 +286,7 @@ async def test_a_job_that_kills_the_engine_is_dead_lettered(redis_target: RedisT
             redis_target, engine, fresh=False, worker_id="w-next", max_deliveries=2
         ) as w:
             events = await w.final_events("killer")
-            dead_letters = await w.redis.xlen(keys.dead_letter_stream(STREAM))
+            dead_letters = await w.redis.xlen(names.dead_letter_stream(STREAM))
     finally:
         await redis_target.flush()
     assert engine.started == []
@@ -322,7 +322,7 @@ async def test_a_journal_that_gave_up_stops_the_worker_and_its_jobs_are_reclaime
         assert engine.cancelled == ["stranded/0"]
         assert await w.events("stranded") == []  # nothing it streamed ever landed
         # Not handed back: the job stays pending to this worker for another to reclaim.
-        [pending] = await w.redis.xpending_range(STREAM, keys.JOB_GROUP, "-", "+", 10)
+        [pending] = await w.redis.xpending_range(STREAM, names.JOB_GROUP, "-", "+", 10)
         assert pending["consumer"] == b"w-test"
 
         successor = FakeEngine(tokens=3)

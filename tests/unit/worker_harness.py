@@ -19,9 +19,8 @@ from typing import Any, cast
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import keys
+from shared.connections.connect import db_of
 from shared.errors import EngineDead
-from shared.job_queue import JobQueue, JobStream
 from shared.protocol import (
     FINAL_EVENTS,
     CancelCommand,
@@ -36,7 +35,8 @@ from shared.protocol import (
     decode_events,
     encode_bytes,
 )
-from shared.redis_conn import db_of
+from shared.queue import names
+from shared.queue.job_queue import JobQueue, JobStream
 from shared.roles import Role
 from shared.settings import Settings
 from shared.tasks import cancel_and_wait
@@ -44,9 +44,9 @@ from tests.conftest import RedisTarget
 from tests.waiting import eventually
 from workers.assembly import Timing, WorkerPolicy, build_worker
 from workers.engines.base import EngineInfo, Handoff, PromptTokenStats, StepOutput
-from workers.journal import RunJournal, unpack_tokens
-from workers.journal_scripts import JournalScripts
-from workers.recent_cancels import RecentCancels
+from workers.intake.recent_cancels import RecentCancels
+from workers.journal.run_journal import RunJournal, unpack_tokens
+from workers.journal.scripts import JournalScripts
 from workers.roles import generate
 from workers.roles.base import RoleParts
 from workers.runtime import WorkerRuntime
@@ -56,7 +56,7 @@ STAGE = Role.AGGREGATED
 JOBS = JobStream(MODEL, STAGE)
 STREAM = JOBS.name
 GATEWAY = "gw-test"
-REPLY = keys.reply_stream(GATEWAY)
+REPLY = names.reply_stream(GATEWAY)
 
 TEST_POLICY = dataclasses.replace(
     WorkerPolicy.from_settings(Settings()),
@@ -72,7 +72,7 @@ FAST_JANITOR = Timing(janitor_s=0.02)
 
 def run_keys(job_id: str) -> tuple[str, str]:
     """The run hash and emitted-token log of ``job_id`` at this stage."""
-    return keys.job_run(job_id, STAGE), keys.job_emitted(job_id, STAGE)
+    return names.job_run(job_id, STAGE), names.job_emitted(job_id, STAGE)
 
 
 async def entries(redis: aioredis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -81,7 +81,7 @@ async def entries(redis: aioredis.Redis, stream: str) -> list[tuple[bytes, dict[
 
 
 async def emitted_tokens(redis: aioredis.Redis, job_id: str) -> list[int]:
-    data: bytes | None = cast(Any, await redis.get(keys.job_emitted(job_id, STAGE)))
+    data: bytes | None = cast(Any, await redis.get(names.job_emitted(job_id, STAGE)))
     return unpack_tokens(data or b"")
 
 
@@ -246,7 +246,7 @@ class Harness:
         """The job stream is empty: every entry was acked and deleted."""
 
         async def empty() -> bool:
-            pending = await self.redis.xpending(self.stream, keys.JOB_GROUP)
+            pending = await self.redis.xpending(self.stream, names.JOB_GROUP)
             return await self.redis.xlen(self.stream) == 0 and pending["pending"] == 0
 
         await eventually(empty, timeout_s=timeout_s, what="the job stream to drain")
@@ -274,7 +274,7 @@ class Harness:
         await eventually(heard, what=f"the worker to hear the cancel of {request_id}")
 
     def _control_channel(self) -> str:
-        return keys.control_channel(db_of(self.redis))
+        return names.control_channel(db_of(self.redis))
 
 
 async def stop_task(task: asyncio.Task[Any], *, within_s: float = 5.0) -> None:
@@ -311,10 +311,10 @@ async def worker(
     worker_redis = target.connect()
     engine = engine or FakeEngine()
     queue = JobQueue(redis)
-    stream = keys.job_stream(MODEL, role)
+    stream = names.job_stream(MODEL, role)
     await queue.ensure_group(stream)
     if gateway_alive:
-        await redis.set(keys.gateway_heartbeat(GATEWAY), b"1")
+        await redis.set(names.gateway_heartbeat(GATEWAY), b"1")
     if setup is not None:
         await setup(redis)
     recent = RecentCancels()

@@ -38,7 +38,7 @@ class PromptImages:
     raw: tuple[Any, ...] = ()
     """PIL images."""
     embeddings: tuple[Any, ...] = ()
-    """:class:`workers.engines.vision_encoder.ImageEmbedding` values."""
+    """:class:`workers.engines.vision.encoder.ImageEmbedding` values."""
 
 
 @dataclass(frozen=True, slots=True)

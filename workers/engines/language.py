@@ -12,10 +12,10 @@ from workers.engines.base import EmbedEngine, PrefillEngine
 def load_language_engine(settings: Settings, model_path: str, served_name: str) -> PrefillEngine:
     """An engine that generates and, in a prefill role, prefills (both adapters do both)."""
     if settings.engine is EngineKind.SGLANG:
-        from workers.engines.sglang_engine import SglangEngine
+        from workers.engines.sglang.engine import SglangEngine
 
         return SglangEngine(settings, model_path, served_name)
-    from workers.engines.vllm_engine import VllmEngine
+    from workers.engines.vllm.engine import VllmEngine
 
     return VllmEngine(settings, model_path, served_name)
 
@@ -24,6 +24,6 @@ def load_embedding_engine(settings: Settings, model_path: str, served_name: str)
     """A pooling engine: only vLLM serves embeddings."""
     if settings.engine is not EngineKind.VLLM:
         raise ValueError("embeddings are served by vLLM workers (--engine vllm --role embed)")
-    from workers.engines.vllm_engine import VllmEngine
+    from workers.engines.vllm.engine import VllmEngine
 
     return VllmEngine(settings, model_path, served_name)

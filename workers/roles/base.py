@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from shared.errors import ConveyorError
 from shared.settings import Settings
 from workers.engines.base import EngineAdapters, EngineAdmin, EngineBase
-from workers.journal import RunJournal, RunLease
+from workers.journal.run_journal import RunJournal, RunLease
 
 
 class JobRun(Protocol):
@@ -58,11 +58,11 @@ class RoleParts:
     cache_stats: Callable[[], dict[str, int] | None] = no_stats
     """The registry entry's ``embedding_cache`` (encode workers)."""
     adapters: EngineAdapters | None = None
-    """LoRA adapters (:mod:`workers.adapters` reconciles them to the desired state)."""
+    """LoRA adapters (:mod:`workers.commands.lora_sync` reconciles them to the desired state)."""
     adapters_off: str = NO_ADAPTERS
     """Why ``adapters`` is None: reported for every desired adapter."""
     admin: EngineAdmin | None = None
-    """Clear KV, sleep, wake (worker admin commands: :mod:`workers.control`)."""
+    """Clear KV, sleep, wake (worker admin commands: :mod:`workers.commands.admin`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 from shared.errors import ConveyorError, EngineDead
 from shared.protocol import EmbeddingEvent, EmbedJob
 from shared.settings import Settings
-from workers.canary import CANARY_PROMPT
 from workers.engines.base import EmbedEngine
 from workers.engines.language import load_embedding_engine
-from workers.journal import RunJournal, RunLease
+from workers.health.canary import CANARY_PROMPT
+from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles.base import LoadedRole, Probe, RoleParts
 
 log = logging.getLogger(__name__)

@@ -14,14 +14,14 @@ import time
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import keys
 from shared.errors import ConveyorError, EngineDead
 from shared.protocol import GenerateJob
+from shared.queue import names
 from shared.roles import Role
 from shared.settings import Settings
 from workers.engines.base import EncodeEngine, ImageEncoder
-from workers.engines.vision_engine import VisionEngine
-from workers.journal import RunJournal, RunLease
+from workers.engines.vision.engine import VisionEngine
+from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles.base import LoadedRole, Probe, RoleParts
 from workers.roles.generate import generate_job
 
@@ -39,7 +39,7 @@ class EncodeRun:
         self._journal = journal
 
     def next_stream(self) -> str:
-        return keys.job_stream(self.job.model, self.job.after_encode or Role.AGGREGATED)
+        return names.job_stream(self.job.model, self.job.after_encode or Role.AGGREGATED)
 
     async def run(self) -> None:
         job = self.job

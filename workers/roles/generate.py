@@ -41,7 +41,6 @@ from shared.protocol import (
     is_guided,
 )
 from shared.settings import Settings
-from workers.canary import CANARY_PROMPT, CANARY_SAMPLING
 from workers.engines.base import (
     Administered,
     EngineAdapters,
@@ -52,9 +51,10 @@ from workers.engines.base import (
     StepOutput,
 )
 from workers.engines.language import load_language_engine
-from workers.journal import RunJournal, RunLease
-from workers.prompt_images import PromptImageLoader
+from workers.health.canary import CANARY_PROMPT, CANARY_SAMPLING
+from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles.base import NO_ADAPTERS, LoadedRole, Probe, RoleParts
+from workers.roles.prompt_images import PromptImageLoader
 
 log = logging.getLogger(__name__)
 

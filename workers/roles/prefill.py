@@ -16,18 +16,18 @@ import time
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import keys
 from shared.errors import ConveyorError, EngineDead
 from shared.protocol import GenerateJob
+from shared.queue import names
 from shared.roles import Role
 from shared.settings import Settings
 from workers.engines.base import PrefillEngine
 from workers.engines.language import load_language_engine
-from workers.journal import RunJournal, RunLease
-from workers.prompt_images import PromptImageLoader
+from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles import generate
 from workers.roles.base import LoadedRole, RoleParts
 from workers.roles.generate import generate_job, load_images
+from workers.roles.prompt_images import PromptImageLoader
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PrefillRun:
         self._images = images
 
     def decode_stream(self) -> str:
-        return keys.job_stream(self.job.model, Role.DECODE)
+        return names.job_stream(self.job.model, Role.DECODE)
 
     async def run(self) -> None:
         job = self.job

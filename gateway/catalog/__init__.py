@@ -1,0 +1,3 @@
+"""The models this gateway serves: their tokenizers, chat templates, context windows and LoRA
+adapters.
+"""

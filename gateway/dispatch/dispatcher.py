@@ -1,0 +1,304 @@
+"""Admission: a planned request becomes jobs on a job stream, or a refusal.
+
+``Dispatcher.submit(plan)`` routes a :class:`~gateway.dispatch.plan.RequestPlan` (first
+stage, encode in front when it has images), builds its jobs, queues them all or
+none (429/503/409) and returns the :class:`~gateway.dispatch.request_handle.RequestHandle`
+whose events the reply router delivers. A handle closed before its last event
+sends a cancel from a shielded task, so the abort leaves even when the caller is
+being cancelled by a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.dispatch.drain_rate import DrainMeter
+from gateway.dispatch.lost_admissions import Admitted, LostAdmissions
+from gateway.dispatch.plan import AnyPlan, Embedding, Generation
+from gateway.dispatch.reply_router import ReplyRouter
+from gateway.dispatch.request_accounting import RequestAccounting
+from gateway.dispatch.request_handle import RequestHandle
+from gateway.dispatch.worker_directory import WorkerDirectory
+from shared.connections.connect import db_of
+from shared.connections.retry import Backoff, retry
+from shared.errors import (
+    BackendUnavailable,
+    IdempotencyConflict,
+    NoLiveWorker,
+    Overloaded,
+)
+from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_bytes
+from shared.queue import names
+from shared.queue.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
+from shared.queue.key_limits import (
+    LimitCharge,
+    LimitKind,
+    key_limit_error,
+)
+from shared.queue.lora_registry import adapter_stream
+from shared.queue.usage import UsageRecord
+from shared.roles import Role
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+CANCEL_FLAG_TTL_S = 600
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    queue_max_depth: int
+    idempotency_ttl_s: int
+    min_prefill_tokens: int
+    admission_retry_s: float
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> AdmissionPolicy:
+        return cls(
+            queue_max_depth=settings.queue_max_depth,
+            idempotency_ttl_s=settings.idempotency_ttl_s,
+            min_prefill_tokens=settings.disagg_min_prompt_tokens,
+            admission_retry_s=settings.admission_retry_s,
+        )
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        router: ReplyRouter,
+        directory: WorkerDirectory,
+        policy: AdmissionPolicy,
+        *,
+        on_usage: Callable[[UsageRecord], None] = lambda record: None,
+    ) -> None:
+        self._redis = redis
+        self._queue = JobQueue(redis)
+        self._router = router
+        self._directory = directory
+        self._policy = policy
+        self._background: set[asyncio.Task[None]] = set()
+        self.accounting = RequestAccounting(
+            redis, names.gateway_of_reply_stream(router.stream), on_usage
+        )
+        self.drain = DrainMeter(redis)
+        self.lost = LostAdmissions(
+            redis, router, self.accounting.gateway_id, self._readmit, self._in_background
+        )
+
+    async def _admit(
+        self,
+        stream: str,
+        jobs: Sequence[Job],
+        idempotency_key: str | None,
+        charge: LimitCharge | None = None,
+        opened: OpenedBy | None = None,
+    ) -> AdmissionResult:
+        """Admission that rides out a short Redis outage (a restart takes about a second)."""
+        return await retry(
+            lambda: self._queue.submit(
+                stream,
+                jobs,
+                max_depth=self._policy.queue_max_depth,
+                idempotency_key=idempotency_key,
+                idempotency_ttl_s=self._policy.idempotency_ttl_s,
+                charge=charge,
+                opened=opened,
+            ),
+            for_s=self._policy.admission_retry_s,
+            backoff=Backoff(first_s=0.1, max_s=1.0),
+            what=f"admission of {jobs[0].request_id}",
+            retry_on=(RedisConnectionError, RedisTimeoutError),
+        )
+
+    async def submit(self, plan: AnyPlan) -> RequestHandle:
+        """Queue the plan's jobs (all or none) and return the handle of their events;
+        raises NoLiveWorker (503), Overloaded (429), IdempotencyConflict (409) or
+        BackendUnavailable (503)."""
+        work = plan.work
+        if isinstance(work, Embedding):
+            stream, jobs = self._embed_jobs(plan, work)
+        else:
+            stream, jobs = self._generate_jobs(plan, work)
+        return await self._enqueue(stream, jobs, plan)
+
+    def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, list[Job]]:
+        """One job per choice, on the stream of the request's first stage."""
+        stream, after_encode = self._first_stream(plan, work)
+        jobs: list[Job] = [
+            GenerateJob(
+                request_id=plan.request_id,
+                index=choice.index,
+                model=plan.model,
+                prompt_token_ids=choice.prompt_token_ids,
+                sampling=choice.sampling,
+                reply_to=self._router.stream,
+                deadline_unix=plan.deadline.deadline_unix,
+                created_unix=plan.deadline.created_unix,
+                images=work.images,
+                after_encode=after_encode,
+                adapter=plan.adapter,
+            )
+            for choice in work.choices
+        ]
+        return stream, jobs
+
+    def _first_stream(self, plan: AnyPlan, work: Generation) -> tuple[str, Role | None]:
+        """The stream of the first stage, and the stage after encode (if it is encode)."""
+        if plan.adapter is not None:  # its own stream, read by the workers that loaded it
+            if not self._directory.adapter_ready(plan.adapter):
+                raise NoLiveWorker(
+                    f"LoRA adapter `{plan.adapter}` is not loaded on any live worker right "
+                    "now; retry shortly",
+                    retry_after_s=5,
+                )
+            return adapter_stream(plan.adapter), None
+        role = self._directory.first_stage(
+            plan.model, work.longest_prompt(), self._policy.min_prefill_tokens
+        )
+        if role is None:
+            raise NoLiveWorker(
+                f"no live worker serves model `{plan.model}` right now; retry shortly",
+                retry_after_s=5,
+            )
+        # With an encode pool, images go through it first; without, the language
+        # worker takes the raw images itself.
+        if work.images and self._directory.serving(plan.model, Role.ENCODE):
+            return names.job_stream(plan.model, Role.ENCODE), role
+        return names.job_stream(plan.model, role), None
+
+    def _embed_jobs(self, plan: AnyPlan, work: Embedding) -> tuple[str, list[Job]]:
+        """One embedding job per input, on the model's embed stream."""
+        if not self._directory.serving(plan.model, Role.EMBED):
+            raise NoLiveWorker(
+                f"no live embedding worker serves model `{plan.model}` right now; retry shortly",
+                retry_after_s=5,
+            )
+        jobs: list[Job] = [
+            EmbedJob(
+                request_id=plan.request_id,
+                index=index,
+                model=plan.model,
+                prompt_token_ids=prompt,
+                reply_to=self._router.stream,
+                deadline_unix=plan.deadline.deadline_unix,
+                created_unix=plan.deadline.created_unix,
+                dimensions=work.dimensions,
+            )
+            for index, prompt in enumerate(work.prompts)
+        ]
+        return names.job_stream(plan.model, Role.EMBED), jobs
+
+    async def _enqueue(self, stream: str, jobs: list[Job], plan: AnyPlan) -> RequestHandle:
+        """Queue all of ``jobs`` (one request) and open the route for their events."""
+        request_id = plan.request_id
+        self.drain.watch(stream)
+        events = self._router.open(request_id)
+        try:
+            result = await self._admit(
+                stream, jobs, plan.idempotency_key, plan.charge, self.accounting.opened_by(plan)
+            )
+        except RedisError as exc:
+            self._router.close(request_id)
+            raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
+        headers = result.usage.headers() if result.usage is not None else {}
+        if result.outcome is not Admission.QUEUED:
+            self._router.close(request_id)
+            if result.outcome is Admission.LIMITED and result.usage is not None:
+                raise key_limit_error(result.usage, LimitKind(result.detail))
+            retry_after = 1
+            if result.outcome is Admission.FULL:
+                excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
+                retry_after = self.drain.retry_after_s(stream, excess)
+            _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
+        log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
+        self.accounting.opened(plan)
+        handle = RequestHandle(
+            request_id,
+            len(jobs),
+            events,
+            plan.deadline,
+            on_close=lambda cancel: self._finish(plan, handle, cancel=cancel),
+            headers=headers,
+        )
+        if isinstance(plan.work, Generation):
+            handle.tally.choices_per_prompt = plan.work.choices_per_prompt
+        self.lost.watch(Admitted(stream, jobs, plan, handle))
+        return handle
+
+    async def _readmit(self, request: Admitted) -> AdmissionResult:
+        plan = request.plan
+        opened = self.accounting.opened_by(plan)
+        return await self._admit(
+            request.stream, request.jobs, plan.idempotency_key, plan.charge, opened
+        )
+
+    def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
+        """The request ended (its handle's owner left): close its route, cancel what still
+        runs, settle its key's limits and write its usage row (in the background)."""
+        self.close(plan.request_id, cancel=cancel)
+        record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
+        used = handle.tally.used_tokens()
+        self._in_background(self.accounting.settle(plan, record, used))
+
+    def close(self, request_id: str, *, cancel: bool) -> None:
+        self._router.close(request_id)
+        self.lost.forget(request_id)
+        if cancel:
+            self._in_background(self._send_cancel(request_id))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in its own task: it survives the caller's cancellation (a client
+        disconnect), and the lifespan waits for it at shutdown."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_cancel(self, request_id: str, *, retry_for_s: float = 30.0) -> None:
+        async def send() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(names.cancel_flag(request_id), b"1", ex=CANCEL_FLAG_TTL_S)
+                pipe.publish(
+                    names.control_channel(db_of(self._redis)),
+                    encode_bytes(CancelCommand(request_id)),
+                )
+                await pipe.execute()
+
+        try:
+            await retry(
+                send,
+                for_s=retry_for_s,
+                backoff=Backoff(first_s=0.5, max_s=0.5),
+                what=f"cancel of {request_id}",
+            )
+        except RedisError as exc:
+            log.warning("could not send cancel for %s: %s", request_id, exc)
+            return
+        log.info("cancel sent for %s", request_id)
+
+    async def wait_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: int) -> None:
+    if outcome is Admission.FULL:
+        raise Overloaded(
+            f"the queue for `{model}` is full ({detail} jobs queued or running); retry in "
+            f"about {retry_after_s}s",
+            retry_after_s=retry_after_s,
+        )
+    raise IdempotencyConflict(
+        f"a request with this Idempotency-Key was already accepted (request id {detail}); "
+        "it is not queued twice",
+        param="Idempotency-Key",
+    )

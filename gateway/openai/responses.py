@@ -1,0 +1,246 @@
+"""OpenAI response objects (chat and text completions) built from worker events."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.openai import output_parsing
+from gateway.openai.output_parsing import ChoiceOutput, OutputParser
+from shared.protocol import FinishEvent, TokenEvent, TokenLogprob
+
+Json = dict[str, Any]
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    """Prompt tokens count once per prompt, however many choices share it."""
+
+    choices_per_prompt: int
+    prompt_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
+    cached_tokens_by_prompt: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, event: FinishEvent) -> None:
+        prompt = event.index // self.choices_per_prompt
+        self.prompt_tokens_by_prompt[prompt] = event.prompt_tokens
+        if event.cached_tokens is not None:
+            self.cached_tokens_by_prompt[prompt] = event.cached_tokens
+        self.completion_tokens += event.completion_tokens
+
+    def as_json(self) -> Json:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` where the engine
+        reports prefix-cache hits."""
+        prompt = sum(self.prompt_tokens_by_prompt.values())
+        body: Json = {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+        if self.cached_tokens_by_prompt:
+            cached = sum(self.cached_tokens_by_prompt.values())
+            body["prompt_tokens_details"] = {"cached_tokens": cached}
+        return body
+
+
+class ResponseFormat:
+    """Shared shape of both endpoints; subclasses fill in the per-endpoint parts."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self, request_id: str, model: str, *, with_logprobs: bool, with_token_ids: bool = False
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.with_logprobs = with_logprobs
+        self.with_token_ids = with_token_ids
+
+    def _envelope(self, obj: str, choices: list[Json]) -> Json:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choices: list[Json]) -> Json:
+        return self._envelope(self.chunk_object_name, choices)
+
+    def usage_chunk(self, usage: Usage) -> Json:
+        body = self.chunk([])
+        body["usage"] = usage.as_json()
+        return body
+
+    def response(self, choices: list[ChoiceState], usage: Usage) -> Json:
+        body = self._envelope(self.object_name, [self._final(c) for c in choices])
+        body["usage"] = usage.as_json()
+        return body
+
+    def _final(self, choice: ChoiceState) -> Json:
+        body = self.final_choice(choice)
+        if self.with_token_ids:
+            body["token_ids"] = choice.token_ids
+        return body
+
+    def start_chunk(self, index: int) -> Json | None:
+        return None
+
+    def delta(self, event: TokenEvent) -> Json | None:
+        """The chunk of ``event``; None when it carries nothing to send yet."""
+        body = self.delta_chunk(event)
+        if body is not None and self.with_token_ids:
+            body["choices"][0]["token_ids"] = event.token_ids
+        return body
+
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
+        raise NotImplementedError
+
+    def finish_chunk(self, index: int, finish_reason: str) -> Json:
+        raise NotImplementedError
+
+    def final_choice(self, choice: ChoiceState) -> Json:
+        raise NotImplementedError
+
+
+class ChatFormat(ResponseFormat):
+    """Chat completions; with an ``output`` parser, each choice's text is read as
+    reasoning, content and tool calls (gateway/openai/output_parsing.py)."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        with_logprobs: bool,
+        with_token_ids: bool = False,
+        output: OutputParser | None = None,
+    ) -> None:
+        super().__init__(
+            request_id, model, with_logprobs=with_logprobs, with_token_ids=with_token_ids
+        )
+        self._parser = output
+        self._outputs: dict[int, ChoiceOutput] = {}
+
+    def start_chunk(self, index: int) -> Json:
+        return self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
+
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
+        logprobs = _chat_logprobs(event.logprobs or []) if self.with_logprobs else None
+        delta: Json = {"content": event.text}
+        if self._parser is not None:
+            delta = self._output(event.index, self._parser).feed(event.text)
+            if not delta and logprobs is None and not self.with_token_ids:
+                return None
+        return self.chunk([_chat_choice(event.index, delta, logprobs, None)])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> Json:
+        delta: Json = {}
+        if self._parser is not None:
+            output = self._output(index, self._parser)
+            delta = output.finish()
+            finish_reason = output_parsing.finish_reason(finish_reason, output.made_calls)
+        return self.chunk([_chat_choice(index, delta, None, finish_reason)])
+
+    def final_choice(self, choice: ChoiceState) -> Json:
+        text = "".join(choice.text)
+        message: Json = {"role": "assistant", "content": text}
+        reason = choice.finish_reason
+        if self._parser is not None:
+            parsed = self._parser.parse(text, final=True)
+            message = output_parsing.message(parsed)
+            if reason is not None:
+                reason = output_parsing.finish_reason(reason, bool(parsed.calls))
+        logprobs = _chat_logprobs(choice.logprobs) if self.with_logprobs else None
+        body = _chat_choice(choice.index, message, logprobs, reason)
+        body["message"] = body.pop("delta")
+        return body
+
+    def _output(self, index: int, parser: OutputParser) -> ChoiceOutput:
+        output = self._outputs.get(index)
+        if output is None:
+            output = self._outputs[index] = ChoiceOutput(parser)
+        return output
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(
+        self, request_id: str, model: str, *, with_logprobs: bool, with_token_ids: bool = False
+    ) -> None:
+        super().__init__(
+            request_id, model, with_logprobs=with_logprobs, with_token_ids=with_token_ids
+        )
+        self._text_offsets: dict[int, int] = {}
+
+    def delta_chunk(self, event: TokenEvent) -> Json | None:
+        logprobs = None
+        if self.with_logprobs:
+            start = self._text_offsets.get(event.index, 0)
+            logprobs = _text_logprobs(event.logprobs or [], start)
+            self._text_offsets[event.index] = start + len(event.text)
+        return self.chunk([_text_choice(event.index, event.text, logprobs, None)])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> Json:
+        return self.chunk([_text_choice(index, "", None, finish_reason)])
+
+    def final_choice(self, choice: ChoiceState) -> Json:
+        logprobs = _text_logprobs(choice.logprobs, 0) if self.with_logprobs else None
+        return _text_choice(choice.index, "".join(choice.text), logprobs, choice.finish_reason)
+
+
+def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | None) -> Json:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _text_choice(index: int, text: str, logprobs: Json | None, finish: str | None) -> Json:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _chat_logprobs(tokens: list[TokenLogprob]) -> Json:
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": list(t.token.encode()),
+                "top_logprobs": [
+                    {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode())}
+                    for a in t.top
+                ],
+            }
+            for t in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def _text_logprobs(tokens: list[TokenLogprob], offset: int) -> Json:
+    text_offset = []
+    for t in tokens:
+        text_offset.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+        "text_offset": text_offset,
+    }

@@ -1,0 +1,281 @@
+"""The OpenAI wire schema for requests (the gateway's vocabulary).
+
+Unknown fields are accepted and ignored (logged once per field name), so
+clients that send extras, like LangChain, keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+MAX_STOP_SEQUENCES = 32
+MAX_STOP_CHARS = 256
+"""vLLM holds back this many characters of a stream while it looks for a stop string."""
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300
+"""Entries of ``logit_bias`` (each costs the sampler work on every step)."""
+LOGIT_BIAS_RANGE = 100.0
+_INT32_MAX = 2**31 - 1
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer, encoder
+    or response can take: refused here, naming the field."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "text holds an unpaired UTF-16 surrogate (not valid Unicode)"
+            ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopSequence = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        missing = self.json_schema is None or not self.json_schema.schema_
+        if self.type == "json_schema" and missing:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: Text
+
+
+class ImageUrl(_Lenient):
+    url: Text
+    detail: str | None = None
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+MAX_TOOLS = 128
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+FunctionName = Annotated[str, StringConstraints(pattern=FUNCTION_NAME)]
+
+
+class FunctionDefinition(_Lenient):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema (size and depth are capped in gateway/serving/tool_choice.py)."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Lenient):
+    name: FunctionName
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class FunctionCall(_Lenient):
+    name: FunctionName
+    arguments: Text
+    """JSON text, as the model wrote it."""
+
+
+class AssistantToolCall(_Lenient):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    """An assistant's earlier calls (a multi-turn agent loop)."""
+    tool_call_id: Text | None = None
+    """A ``tool`` message: the call it answers."""
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and text completions. Floats refuse NaN and infinity, which
+    Python's JSON parser accepts."""
+
+    model: Text
+    max_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    stop: (
+        StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None
+    ) = None
+    logit_bias: dict[int, LogitBias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    """Token id -> bias added to its logit (-100..100); ids are checked against the vocabulary."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
+    return_token_ids: bool = False
+    """Extension (as in vLLM's server): each choice carries its generated token ids."""
+    user: Text | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Known OpenAI fields this server cannot honour yet: declared so they are refused
+    # (gateway/serving/translate.py::refuse_unsupported) rather than silently ignored.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalize the four OpenAI prompt shapes to a list of prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+def known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | frozenset(
+        f.alias for f in model.model_fields.values() if f.alias
+    )
+
+
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Lenient):
+    """``POST /v1/embeddings``: a string, a list of strings, token ids, or lists of them."""
+
+    model: Text
+    input: Text | list[Text] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=_INT32_MAX)
+    user: Text | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Normalize the four input shapes to a list of inputs."""
+        value = self.input
+        if isinstance(value, str):
+            items: list[str | list[int]] = [value]
+        elif value and all(isinstance(item, int) for item in value):
+            items = [list(value)]  # type: ignore[arg-type]
+        else:
+            items = list(value)  # type: ignore[arg-type]
+        if not items:
+            raise ValueError("input must not be empty")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input accepts at most {MAX_EMBEDDING_INPUTS} items")
+        return items

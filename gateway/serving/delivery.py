@@ -1,0 +1,159 @@
+"""Turn a request's events into what the client receives: an SSE stream or one JSON body.
+
+These read a :class:`RequestHandle`; they never close it. Its owner does: the
+:class:`EventStreamResponse` for a stream, the serving step for a JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.dispatch.request_handle import RequestHandle
+from gateway.openai.responses import ChoiceState, Json, ResponseFormat, Usage
+from shared.errors import ConveyorError, RemoteError
+from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
+
+log = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n"
+"""A comment line with no blank line after it: a blank line would end an SSE event, and
+a client that saw an ``id:`` before (the official ``openai`` SDK, as the SSE spec says)
+dispatches that empty event and fails to decode its empty ``data``."""
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that owns its request handle: closed when the response ends, however
+    it ends (last event, error, client gone), even if the stream never started."""
+
+    def __init__(self, events: AsyncIterator[str], handle: RequestHandle) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "X-Request-Id": handle.request_id,
+                **handle.headers,
+            },
+        )
+        self._handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with self._handle:
+            await super().__call__(scope, receive, send)
+
+
+def sse_data(body: Json, event_id: str | None = None) -> str:
+    data = orjson.dumps(body).decode()
+    prefix = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{prefix}data: {data}\n\n"
+
+
+async def stream_events(
+    handle: RequestHandle,
+    fmt: ResponseFormat,
+    *,
+    indices: list[int],
+    choices_per_prompt: int,
+    include_usage: bool,
+    keepalive_s: float,
+) -> AsyncIterator[str]:
+    """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments."""
+    usage = Usage(choices_per_prompt)
+    single = len(indices) == 1
+
+    def with_usage(body: Json) -> Json:
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    # Chunks of events that arrived together leave in one write (one send per wakeup).
+    pending: list[str] = []
+    try:
+        for index in indices:
+            start = fmt.start_chunk(index)
+            if start is not None:
+                pending.append(sse_data(with_usage(start)))
+        async for event in handle.events(idle_timeout_s=keepalive_s):
+            if event is None:
+                yield KEEPALIVE
+                continue
+            event_id = str(event.seq) if single else f"{event.index}-{event.seq}"
+            if isinstance(event, TokenEvent):
+                chunk = fmt.delta(event)
+                if chunk is not None:  # None: held back (a tool-call tag not yet complete)
+                    pending.append(sse_data(with_usage(chunk), event_id))
+            elif isinstance(event, FinishEvent):
+                usage.add(event)
+                chunk = fmt.finish_chunk(event.index, event.finish_reason)
+                pending.append(sse_data(with_usage(chunk), event_id))
+            elif isinstance(event, ErrorEvent):
+                pending.append(sse_data(RemoteError(event).to_openai(), event_id))
+                pending.append(DONE)
+                yield "".join(pending)
+                return
+            if not handle.has_buffered():
+                yield "".join(pending)
+                pending.clear()
+        if include_usage:
+            pending.append(sse_data(fmt.usage_chunk(usage)))
+        pending.append(DONE)
+        yield "".join(pending)
+    except ConveyorError as exc:
+        log.warning("stream %s ended with an error: %s", handle.request_id, exc)
+        yield "".join([*pending, sse_data(exc.to_openai()), DONE])
+
+
+async def collect_response(
+    handle: RequestHandle, fmt: ResponseFormat, *, indices: list[int], choices_per_prompt: int
+) -> Json:
+    """The whole non-streaming response; raises the first sequence error."""
+    states = {index: ChoiceState(index) for index in indices}
+    usage = Usage(choices_per_prompt)
+    async for event in handle.events():
+        if isinstance(event, TokenEvent):
+            state = states[event.index]
+            state.text.append(event.text)
+            state.logprobs.extend(event.logprobs or [])
+            state.token_ids.extend(event.token_ids)
+        elif isinstance(event, FinishEvent):
+            states[event.index].finish_reason = event.finish_reason
+            usage.add(event)
+        elif isinstance(event, ErrorEvent):
+            raise RemoteError(event)
+    return fmt.response([states[i] for i in indices], usage)
+
+
+async def unless_disconnected(
+    work: Awaitable[Json], receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
+) -> Json | None:
+    """Run ``work``; return None (and cancel it) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        await asyncio.gather(work_task, return_exceptions=True)
+        return None
+    finally:
+        watch_task.cancel()
+        work_task.cancel()
+
+
+async def _wait_for_disconnect(
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,265 @@
+"""OpenAI request fields -> prompt token ids and SamplingOptions, for the serving step
+(:mod:`gateway.serving.endpoints`, the one translation point between the two vocabularies)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from pydantic import BaseModel
+
+from gateway.catalog.served_models import ServedModel
+from gateway.dispatch.plan import ChoiceSpec
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.serving import limits
+from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
+from shared.protocol import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+class UnknownFieldLog:
+    """Logs each unknown request field name once per process."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def note(self, request: BaseModel) -> None:
+        for name in (request.model_extra or {}).keys() - self._seen:
+            self._seen.add(name)
+            log.info("ignoring unknown request field %r (logged once)", name)
+
+
+def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
+    """Known OpenAI fields whose meaning this server cannot honour are a 400, not ignored:
+    a client that asked for tool calls must not mistake a plain answer for one."""
+    if isinstance(request, ChatCompletionRequest):
+        _refuse_chat_features(request, model.name)
+    elif isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
+        raise UnsupportedParameter(
+            "best_of is not supported (only best_of equal to n, which returns every sample)",
+            param="best_of",
+        )
+
+
+def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
+    legacy = "the deprecated functions API is not supported; send tools and tool_choice"
+    if request.functions:
+        raise UnsupportedParameter(legacy, param="functions")
+    if request.function_call not in (None, "none"):
+        raise UnsupportedParameter(legacy, param="function_call")
+    if request.audio is not None or any(m != "text" for m in request.modalities or ()):
+        raise UnsupportedParameter(
+            f"model `{name}` answers with text only",
+            param="audio" if request.audio is not None else "modalities",
+        )
+    if request.web_search_options is not None:
+        raise UnsupportedParameter("web search is not supported", param="web_search_options")
+
+
+def chat_prompt(
+    request: ChatCompletionRequest,
+    model: ServedModel,
+    images: int = 0,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The prompt's token ids; a vision-language model's images appear as one (unexpanded)
+    placeholder token each, which the engine expands to the image's embeddings. ``tools``
+    go to the template's ``tools`` variable (templates without one ignore them)."""
+    placeholder = model.image_token_id
+    vision = placeholder is not None
+    messages = [_message_dict(i, message, vision) for i, message in enumerate(request.messages)]
+    extra = {"tools": tools} if tools else {}
+    prompt = model.tokenizer.encode_chat(messages, **extra)
+    if placeholder is not None and prompt.count(placeholder) != images:
+        raise InvalidRequest(
+            f"the chat template of `{model.name}` placed {prompt.count(placeholder)} image "
+            f"placeholder(s) for {images} image(s); this model cannot take images there",
+            param="messages",
+        )
+    return prompt
+
+
+def _message_dict(position: int, message: Any, vision: bool) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        if vision:
+            content = [_template_part(part) for part in content]
+        else:
+            content = "".join(
+                _text_only(position, index, part) for index, part in enumerate(content)
+            )
+    entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    """Chat templates render arguments with ``tojson``: give them the object (as
+    transformers and vLLM do), or the text when it is not JSON."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _template_part(part: Any) -> dict[str, Any]:
+    """Hugging Face chat templates of vision models expect ``{"type": "image"}``."""
+    if part.type == "text":
+        return {"type": "text", "text": part.text}
+    return {"type": "image"}
+
+
+def _text_only(position: int, index: int, part: Any) -> str:
+    if part.type != "text":
+        raise InvalidRequest(
+            f"model does not accept {part.type} content parts",
+            param=f"messages[{position}].content[{index}]",
+        )
+    return str(part.text)
+
+
+def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
+    try:
+        return request.prompts()
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="prompt") from exc
+
+
+def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    prompts = prompt_list(request)
+    limits.check_prompts_fit(prompts, model, "prompt", indexed=False)
+    vocab = model.tokenizer.vocab_size()
+    token_lists: list[list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            token_lists.append(model.tokenizer.encode(prompt, add_special_tokens=True))
+            continue
+        if any(not 0 <= token < vocab for token in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        token_lists.append(list(prompt))
+    if any(not tokens for tokens in token_lists):
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    return token_lists
+
+
+def choices(
+    request: SamplingFields,
+    prompts: list[list[int]],
+    model: ServedModel,
+    *,
+    logprobs: int | None,
+) -> list[ChoiceSpec]:
+    """``n`` choices per prompt, indexed the way OpenAI numbers them."""
+    bias = logit_bias(request, model)
+    specs = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = _max_tokens(request, len(prompt), model.max_model_len)
+        for sample in range(request.n):
+            index = prompt_index * request.n + sample
+            seed = None if request.seed is None else request.seed + sample
+            options = sampling_options(request, max_tokens, seed, logprobs, bias)
+            specs.append(ChoiceSpec(index, prompt, options))
+    return specs
+
+
+def logit_bias(request: SamplingFields, model: ServedModel) -> dict[int, float] | None:
+    """``logit_bias`` with every token id checked against the model's vocabulary."""
+    if not request.logit_bias:
+        return None
+    vocab = model.tokenizer.vocab_size()
+    bad = sorted(token for token in request.logit_bias if not 0 <= token < vocab)
+    if bad:
+        raise InvalidRequest(
+            f"logit_bias holds token id(s) {bad[:5]} outside the vocabulary of `{model.name}` "
+            f"(0..{vocab - 1})",
+            param="logit_bias",
+        )
+    return dict(request.logit_bias)
+
+
+def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) -> int:
+    budget = request.token_budget()  # type: ignore[attr-defined]
+    room = max_model_len - prompt_len
+    param = "max_tokens"
+    if budget is None:
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {prompt_len} tokens, leaving no room to generate. Shorten the prompt.",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            )
+        _check_min_tokens(request, room)
+        return int(room)
+    if prompt_len + budget > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. You requested "
+            f"{prompt_len + budget} tokens ({prompt_len} in the prompt, {budget} for the "
+            f"completion). Reduce max_tokens to at most {max(room, 0)} or shorten the prompt.",
+            param=param,
+        )
+    _check_min_tokens(request, budget)
+    return int(budget)
+
+
+def _check_min_tokens(request: SamplingFields, max_tokens: int) -> None:
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({request.min_tokens}) is more than the {max_tokens} tokens this "
+            "request may generate (max_tokens, or what the context window leaves)",
+            param="min_tokens",
+        )
+
+
+def sampling_options(
+    request: SamplingFields,
+    max_tokens: int,
+    seed: int | None,
+    logprobs: int | None,
+    logit_bias: dict[int, float] | None = None,
+) -> SamplingOptions:
+    json_schema, json_object = _structured(request)
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None or request.top_k == -1 else request.top_k,
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        seed=seed,
+        stop=request.stop_list(),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        json_schema=json_schema,
+        json_object=json_object,
+        logit_bias=logit_bias,
+    )
+
+
+def _structured(request: SamplingFields) -> tuple[str | None, bool]:
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None, False
+    if response_format.type == "json_object":
+        return None, True
+    spec = response_format.json_schema
+    if spec is None or not spec.schema_:
+        raise InvalidRequest("json_schema.schema is required", param="response_format")
+    return json.dumps(spec.schema_), False
+
+
+def chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if not request.logprobs:
+        return None
+    return request.top_logprobs or 0

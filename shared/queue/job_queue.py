@@ -1,0 +1,283 @@
+"""The job queue: one Redis stream per (model, stage) with a consumer group.
+
+Admission (idempotency key, depth cap, XADD) is one Lua script, so a request is
+either queued whole (all of its ``n`` jobs) or not at all. Entries are deleted
+on ack (``XACK`` + ``XDEL`` in one ``MULTI``), never trimmed, so ``XLEN`` is
+the number of jobs queued or running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.connections.connect import as_text
+from shared.errors import ProtocolError
+from shared.protocol import VERSION, EmbedJob, GenerateJob, Job, decode, encode
+from shared.queue import names
+from shared.queue.key_limits import (
+    ADMIT_LIMITS_LUA,
+    LIMIT_ARG_COUNT,
+    LimitCharge,
+    LimitUsage,
+    usage_from_reply,
+)
+from shared.queue.open_requests import OPEN_TTL_S, OpenRequest, encode_open
+from shared.roles import Role
+
+log = logging.getLogger(__name__)
+
+_ADMIT = (
+    ADMIT_LIMITS_LUA
+    + """
+-- KEYS: stream, idempotency key ('' = none), admitted marker, then the key-limit
+-- counters (see shared.queue.key_limits), then the gateway's open-requests hash (when the
+-- open record is given). ARGV: max depth, idempotency ttl, request id, protocol
+-- version, job count, 1 if the request is limited, then the limit arguments (when
+-- limited), then one payload per job, then the open record (shared.queue.open_requests;
+-- optional), then its hash's ttl.
+local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
+local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
+local first_job = limited and (7 + LIMIT_ARGS) or 7
+local none = {0, 0, 0, 0}
+if redis.call('EXISTS', admitted) == 1 then
+  -- a retry whose first try landed (its reply was lost): queued once, not twice
+  return {'queued', tostring(redis.call('XLEN', stream)), none}
+end
+if idem ~= '' then
+  local existing = redis.call('GET', idem)
+  if existing then return {'duplicate', existing, none} end
+end
+local used = none
+if limited then
+  local over
+  over, used = limits_check(7)
+  if over then return {'limited', over, used} end
+end
+local depth = redis.call('XLEN', stream)
+if depth + count > max_depth then return {'full', tostring(depth), used} end
+for i = first_job, first_job + count - 1 do
+  redis.call('XADD', stream, '*', 'v', version, 'm', ARGV[i])
+end
+if limited then used = limits_charge(7, used) end
+if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
+local opened = ARGV[first_job + count]
+if opened then
+  redis.call('HSET', KEYS[#KEYS], request_id, opened)
+  redis.call('EXPIRE', KEYS[#KEYS], tonumber(ARGV[first_job + count + 1]))
+end
+redis.call('SET', admitted, '1', 'EX', 600)
+return {'queued', tostring(depth + count), used}
+""".replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
+)
+
+
+class Admission(StrEnum):
+    QUEUED = "queued"
+    FULL = "full"
+    DUPLICATE = "duplicate"
+    LIMITED = "limited"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionResult:
+    outcome: Admission
+    detail: str
+    """Queue depth after admission (queued/full), the original request id (duplicate),
+    or the limit the request would pass (limited: a :class:`LimitKind` value)."""
+    usage: LimitUsage | None = None
+    """With a limited key: its counts after admission (or at refusal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedBy:
+    """The gateway that queues a request, and the request's open record."""
+
+    gateway_id: str
+    record: OpenRequest
+
+
+@dataclass(frozen=True, slots=True)
+class JobStream:
+    """The job stream of one (model, role)."""
+
+    model: str
+    role: Role
+
+    @property
+    def name(self) -> str:
+        return names.job_stream(self.model, self.role)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    stream: str
+    entry_id: str
+    job: Job
+    role: Role
+    """The role of the stream it was read from (a job's run keys are per role)."""
+
+
+class JobQueue:
+    """Job streams on one Redis connection (real Redis, or fakeredis in unit tests)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._admit = redis.register_script(_ADMIT)
+
+    async def submit(
+        self,
+        stream: str,
+        jobs: Sequence[Job],
+        *,
+        max_depth: int,
+        idempotency_key: str | None = None,
+        idempotency_ttl_s: int = 3600,
+        charge: LimitCharge | None = None,
+        opened: OpenedBy | None = None,
+    ) -> AdmissionResult:
+        """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once.
+
+        With ``charge``, the key's limits are checked and counted in the same step; with
+        ``opened``, the request's open record is stored (shared/queue/open_requests.py).
+        """
+        if not jobs:
+            raise ValueError("submit needs at least one job")
+        idem = names.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
+        header: list[bytes | str | int] = [
+            max_depth,
+            idempotency_ttl_s,
+            jobs[0].request_id,
+            VERSION,
+            len(jobs),
+            1 if charge is not None else 0,
+        ]
+        limit_keys = charge.keys() if charge is not None else []
+        limit_args = charge.args() if charge is not None else []
+        payloads = [encode(job)[b"m"] for job in jobs]
+        admitted = names.admitted(jobs[0].request_id)
+        open_keys: list[str] = []
+        open_args: list[bytes | int] = []
+        if opened is not None:
+            open_keys = [names.open_requests(opened.gateway_id)]
+            open_args = [encode_open(opened.record), OPEN_TTL_S]
+        outcome, detail, counts = await self._admit(
+            keys=[stream, idem, admitted, *limit_keys, *open_keys],
+            args=[*header, *limit_args, *payloads, *open_args],
+        )
+        usage = usage_from_reply(charge, counts) if charge is not None else None
+        return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage)
+
+    async def ensure_group(self, stream: str) -> None:
+        try:
+            await self._redis.xgroup_create(stream, names.JOB_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(
+        self, streams: Sequence[JobStream], consumer: str, *, count: int, block_ms: int
+    ) -> list[Delivery]:
+        """New entries for ``consumer``; malformed ones are dead-ended and skipped."""
+        by_name = {stream.name: stream for stream in streams}
+        reply: Any = await self._redis.xreadgroup(
+            names.JOB_GROUP, consumer, dict.fromkeys(by_name, ">"), count=count, block=block_ms
+        )
+        deliveries: list[Delivery] = []
+        for raw_stream, entries in reply or []:
+            deliveries += await self._decode_entries(by_name[as_text(raw_stream)], entries)
+        return deliveries
+
+    async def _decode_entries(self, stream: JobStream, entries: list[Any]) -> list[Delivery]:
+        deliveries: list[Delivery] = []
+        for raw_id, fields in entries:
+            entry_id = as_text(raw_id)
+            try:
+                message = decode(fields)
+            except ProtocolError as exc:
+                log.error("dropping undecodable entry %s on %s: %s", entry_id, stream.name, exc)
+                await self.ack(stream.name, entry_id)
+                continue
+            if isinstance(message, GenerateJob | EmbedJob):
+                deliveries.append(Delivery(stream.name, entry_id, message, stream.role))
+            else:
+                log.error("dropping non-job entry %s on %s", entry_id, stream.name)
+                await self.ack(stream.name, entry_id)
+        return deliveries
+
+    async def reclaim(
+        self,
+        stream: JobStream,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int,
+        from_consumers: set[str] | None = None,
+        include_own: bool = False,
+    ) -> list[Delivery]:
+        """Take over entries idle for ``min_idle_ms`` held by ``from_consumers`` (dead
+        workers; default: any consumer but ``consumer`` itself)."""
+        rows = await self._idle_entries(stream, min_idle_ms=min_idle_ms, count=count)
+        ids = [
+            row["message_id"]
+            for row in rows
+            if (include_own or as_text(row["consumer"]) != consumer)
+            and (from_consumers is None or as_text(row["consumer"]) in from_consumers)
+        ][:count]
+        return await self.claim(stream, consumer, min_idle_ms=min_idle_ms, ids=ids)
+
+    async def idle_own_entries(
+        self, stream: JobStream, consumer: str, *, min_idle_ms: int, count: int
+    ) -> list[str]:
+        """Ids of entries ``consumer`` has read and not acked, idle for ``min_idle_ms``."""
+        rows = await self._idle_entries(
+            stream, min_idle_ms=min_idle_ms, count=count, consumer=consumer
+        )
+        return [as_text(row["message_id"]) for row in rows]
+
+    async def claim(
+        self, stream: JobStream, consumer: str, *, min_idle_ms: int, ids: Sequence[str]
+    ) -> list[Delivery]:
+        """Claim ``ids`` for ``consumer`` where still pending and idle for ``min_idle_ms``
+        (an entry acked meanwhile is skipped: every ack deletes its entry too)."""
+        if not ids:
+            return []
+        entries: Any = await self._redis.xclaim(
+            stream.name, names.JOB_GROUP, consumer, min_idle_ms, list(ids)
+        )
+        return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+
+    async def _idle_entries(
+        self, stream: JobStream, *, min_idle_ms: int, count: int, consumer: str | None = None
+    ) -> list[Any]:
+        rows: Any = await self._redis.xpending_range(
+            stream.name,
+            names.JOB_GROUP,
+            min="-",
+            max="+",
+            count=max(count * 4, 64),
+            consumername=consumer,
+            idle=min_idle_ms,
+        )
+        return list(rows or [])
+
+    async def consumers(self, stream: JobStream) -> list[str]:
+        """The consumers (workers) holding pending entries of ``stream``."""
+        summary: Any = await self._redis.xpending(stream.name, names.JOB_GROUP)
+        return [as_text(c["name"]) for c in summary.get("consumers") or []]
+
+    async def ack(self, stream: str, entry_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, names.JOB_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+    async def depth(self, stream: str) -> int:
+        return int(await self._redis.xlen(stream))

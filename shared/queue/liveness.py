@@ -1,0 +1,306 @@
+"""Who is alive: every liveness key, its writer and its readers, in one module.
+
+Liveness is a Redis key with a TTL; its expiry means dead.
+
+* Workers: ``conveyor:worker:{id}`` holds the worker's :class:`WorkerRegistration`
+  (TTL ``heartbeat_ttl_s``). A worker beats it from a :class:`HeartbeatThread`;
+  gateways read every entry through :class:`WorkerRegistry` to route; other
+  workers' janitors take over the jobs of a worker whose key expired; a
+  supervisor that saw a worker process exit deletes its key at once
+  (:func:`forget_dead_process`).
+* Gateways: ``conveyor:gateway:{id}`` (TTL ``gateway_liveness_ttl_s``), rewritten by
+  :func:`keep_gateway_alive`; workers drop or abort the jobs of a gateway that
+  :class:`GatewayWatch` has seen gone for a whole grace period.
+
+One concept (is it alive?), one module: writers and readers of a key change together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.connections.url import sync_client
+from shared.queue import names
+from shared.roles import Role
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------- workers
+
+
+class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's registry entry: the value of its liveness key (JSON)."""
+
+    worker_id: str
+    role: Role
+    model: str
+    max_model_len: int
+    active: int
+    engine_running: int = 0
+    slots: int
+    draining: bool = False
+    ready: bool = True
+    prompt_tokens_computed: int = 0
+    prompt_tokens_transferred: int = 0
+    kv_transfers: int = 0
+    kv_transfer_s: float = 0.0
+    can_decode_alone: bool = True
+    """False for SGLang decode workers: they cannot run a prompt without a prefill."""
+    embedding_cache: dict[str, int] | None = None
+    """Encode workers: image embedding cache hits, misses, evictions, entries, bytes."""
+    paused: bool = False
+    """Drained by an admin command: takes no jobs until resumed (``draining`` is set too)."""
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    """LoRA adapter name -> ``loaded`` / ``loading`` / ``unloading`` / ``failed: <reason>``
+    (see shared/queue/lora_registry.py)."""
+    adapters_generation: int = 0
+    """The generation of the desired adapters (shared/queue/lora_registry.py) this worker
+    applied."""
+
+
+_decoder = msgspec.json.Decoder(WorkerRegistration)
+
+
+class WorkerRegistry:
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float) -> None:
+        self._redis = redis
+        self.ttl_s = ttl_s
+
+    async def beat(self, registration: WorkerRegistration) -> None:
+        await self._redis.set(
+            names.worker_heartbeat(registration.worker_id),
+            self.encode(registration),
+            px=int(self.ttl_s * 1000),
+        )
+
+    @staticmethod
+    def encode(registration: WorkerRegistration) -> bytes:
+        return msgspec.json.encode(registration)
+
+    async def remove(self, worker_id: str) -> None:
+        await self._redis.delete(names.worker_heartbeat(worker_id))
+
+    async def live_workers(self) -> list[WorkerRegistration]:
+        found = [key async for key in self._redis.scan_iter(names.WORKER_HEARTBEAT_PATTERN, 500)]
+        if not found:
+            return []
+        values = await self._redis.mget(found)
+        workers = []
+        for value in values:
+            if value is None:
+                continue
+            try:
+                workers.append(_decoder.decode(value))
+            except msgspec.DecodeError:
+                continue
+        return workers
+
+    async def dead(self, worker_ids: Iterable[str]) -> set[str]:
+        """Those of ``worker_ids`` whose liveness key has expired (one round trip)."""
+        ordered = sorted(set(worker_ids))
+        if not ordered:
+            return set()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in ordered:
+                pipe.exists(names.worker_heartbeat(worker_id))
+            alive = await pipe.execute()
+        return {worker_id for worker_id, live in zip(ordered, alive, strict=True) if not live}
+
+
+def forget_dead_process(redis_url: str, pid: int, host: str | None = None) -> list[str]:
+    """Delete the registry keys of a worker process known to be dead; returns their ids.
+
+    For a supervisor that saw its child exit: the janitors of the other workers then
+    reclaim its jobs at once instead of waiting for the heartbeat TTL to run out.
+    Worker ids read ``{role}-{host}-{pid}-{suffix}``.
+    """
+    import socket
+
+    marker = f"-{host or socket.gethostname()}-{pid}-"
+    client = sync_client(redis_url, timeout_s=2.0, connect_timeout_s=2.0)
+    try:
+        dead = [
+            key
+            for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN, 500)
+            if marker in key.decode()
+        ]
+        if dead:
+            client.delete(*dead)
+        return [key.decode().removeprefix(names.worker_heartbeat("")) for key in dead]
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------ heartbeat thread
+
+BEAT_TICK_S = 0.25
+SLOW_BEAT_S = 0.5
+"""A SET taking this long means Redis (not this process's event loop) stalled."""
+
+
+class HeartbeatThread:
+    """A worker's heartbeat, beaten from its own thread with its own Redis connection.
+
+    Beating from the event loop made a busy loop (a 2-core box with vLLM engines, a
+    long stretch of token output) look dead, so the TTL had to be long and a killed or
+    frozen worker was found late. From a thread the beat keeps going through loop
+    stalls, so the TTL can be short; the thread still stops beating once the loop has
+    not ticked for ``loop_stall_limit_s`` (a hung loop is a dead worker). A SIGSTOP or
+    SIGKILL stops the thread with the process.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        key: str,
+        ttl_s: float,
+        payload: Callable[[], bytes],
+        *,
+        loop_stall_limit_s: float = 10.0,
+    ) -> None:
+        timeout_s = max(ttl_s, 1.0)
+        self._client = sync_client(redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        self._key = key
+        self._ttl_ms = int(ttl_s * 1000)
+        self._interval_s = ttl_s / 4
+        self._payload = payload
+        self._stall_limit_s = loop_stall_limit_s
+        self._last_tick = time.monotonic()
+        self._beat_started = 0.0
+        self._beat_busy = False
+        self._slow_beat_at = -1e9
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        self.beats = 0
+        """Beats that reached Redis (tests wait on it)."""
+
+    async def run(self) -> None:
+        """Tick from the event loop (proof it is alive) while the thread beats."""
+        self._thread.start()
+        try:
+            while True:
+                self._last_tick = time.monotonic()
+                await asyncio.sleep(BEAT_TICK_S)
+        finally:
+            # Joined here, blocking: a beat landing after the worker left the registry
+            # would bring it back to life for a TTL.
+            self._stop.set()
+            self._thread.join(5.0)
+            self._client.close()
+
+    def _beat_forever(self) -> None:
+        while not self._stop.is_set():
+            stalled_s = time.monotonic() - self._last_tick
+            if stalled_s <= self._stall_limit_s:
+                self._beat()
+            else:
+                log.error("event loop stalled for %.1fs: no heartbeat until it answers", stalled_s)
+            self._stop.wait(self._interval_s)
+
+    def _beat(self) -> None:
+        self._beat_started = time.monotonic()
+        self._beat_busy = True
+        try:
+            self._client.set(self._key, self._payload(), px=self._ttl_ms)
+            self.beats += 1
+        except RedisError as exc:
+            self._slow_beat_at = time.monotonic()
+            log.warning("heartbeat failed: %s", exc)
+        except Exception:  # a payload that cannot be built must not kill the heartbeat
+            log.exception("heartbeat payload failed")
+        finally:
+            self._beat_busy = False
+        if time.monotonic() - self._beat_started > SLOW_BEAT_S:
+            self._slow_beat_at = time.monotonic()
+
+    def beating(self) -> bool:
+        """Whether the thread runs (it is joined before :meth:`run` returns)."""
+        return self._thread.is_alive()
+
+    def redis_stalled(self, within_s: float) -> bool:
+        """Whether Redis stalled lately: a beat hangs now, or one was slow or failed in the
+        last ``within_s``. Then every worker's heartbeat may have lapsed, live ones too."""
+        now = time.monotonic()
+        if self._beat_busy and now - self._beat_started > SLOW_BEAT_S:
+            return True
+        return now - self._slow_beat_at < within_s
+
+
+# ------------------------------------------------------------------------ gateways
+
+GATEWAY_BEAT_MAX_S = 1.0
+"""A gateway rewrites its key at least this often (and at least three times per TTL)."""
+
+
+async def keep_gateway_alive(redis: aioredis.Redis, gateway_id: str, ttl_s: float) -> None:
+    """Rewrite the gateway's liveness key (it also says its reply stream is read) forever."""
+    while True:
+        try:
+            await redis.set(names.gateway_heartbeat(gateway_id), b"1", px=int(ttl_s * 1000))
+        except RedisError as exc:
+            log.warning("gateway liveness update failed: %s", exc)
+        await asyncio.sleep(min(GATEWAY_BEAT_MAX_S, ttl_s / 3))
+
+
+FORGET_AFTER_S = 3600.0
+
+
+class GatewayWatch:
+    """Which gateways are gone, so a worker can drop or abort their jobs.
+
+    A missing key alone is not proof the gateway died: a gateway whose event loop
+    stalled for a moment, or a Redis that restarted, leaves it missing while the
+    gateway still waits for tokens, and dropping that gateway's jobs would hang its
+    clients. So a gateway counts as gone only after this worker has seen its key
+    missing, on every check, for a whole grace period (the gateway's TTL: a live
+    gateway rewrites its key several times within it).
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._redis = redis
+        self._grace_s = grace_s
+        self._clock = clock
+        self._missing_since: dict[str, float] = {}
+
+    async def gone(self, gateways: Iterable[str]) -> set[str]:
+        ordered = sorted(set(gateways))
+        if not ordered:
+            return set()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for gateway in ordered:
+                pipe.exists(names.gateway_heartbeat(gateway))
+            alive = await pipe.execute()
+        return self.observe(dict(zip(ordered, map(bool, alive), strict=True)))
+
+    def observe(self, alive: Mapping[str, bool]) -> set[str]:
+        """Record one check of each gateway's key; return the gateways gone for good."""
+        now = self._clock()
+        gone = set()
+        for gateway, is_alive in alive.items():
+            if is_alive:
+                self._missing_since.pop(gateway, None)
+                continue
+            since = self._missing_since.setdefault(gateway, now)
+            if now - since >= self._grace_s:
+                gone.add(gateway)
+        self._forget_long_dead(now)
+        return gone
+
+    def _forget_long_dead(self, now: float) -> None:
+        stale = [g for g, since in self._missing_since.items() if now - since > FORGET_AFTER_S]
+        for gateway in stale:
+            del self._missing_since[gateway]

@@ -1,0 +1,175 @@
+"""Every Redis key name Conveyor uses, in one place."""
+
+from __future__ import annotations
+
+from shared.roles import Role
+
+PREFIX = "conveyor"
+
+JOB_GROUP = "workers"
+"""Consumer group every job stream has."""
+
+CONTROL_CHANNEL = f"{PREFIX}:control"
+"""Pub/sub channel carrying control commands (cancel) to every worker (db 0)."""
+
+
+def control_channel(db: int) -> str:
+    """Pub/sub channels are server-wide, not per db: keep deployments on other dbs apart."""
+    return CONTROL_CHANNEL if db == 0 else f"{CONTROL_CHANNEL}:{db}"
+
+
+def job_stream(model: str, role: Role) -> str:
+    """One stream per (model, role)."""
+    return f"{PREFIX}:jobs:{model}:{role}"
+
+
+def dead_letter_stream(job_stream_name: str) -> str:
+    """Jobs that failed too often, with their last error."""
+    return f"{job_stream_name}:dead"
+
+
+def stream_done_counter(job_stream_name: str) -> str:
+    """Jobs completed from a stream (the gateway derives the drain rate from it)."""
+    return f"{job_stream_name}:done"
+
+
+def job_run(job_id: str, role: Role) -> str:
+    """Hash: the owning run's fence token, number of starts, next seq (one per role)."""
+    return f"{PREFIX}:run:{role}:{job_id}"
+
+
+RUN_PATTERN = f"{PREFIX}:run:*"
+
+
+def job_of_run(run_key: str) -> str:
+    return run_key.removeprefix(f"{PREFIX}:run:").split(":", 1)[-1]
+
+
+def job_emitted(job_id: str, role: Role) -> str:
+    """String of int32 token ids already sent to the client."""
+    return f"{PREFIX}:emitted:{role}:{job_id}"
+
+
+_REPLY_PREFIX = f"{PREFIX}:reply:"
+
+
+def reply_stream(gateway_id: str) -> str:
+    """One stream per gateway process; workers XADD token events to it."""
+    return f"{_REPLY_PREFIX}{gateway_id}"
+
+
+def gateway_of_reply_stream(stream: str) -> str:
+    return stream.removeprefix(_REPLY_PREFIX)
+
+
+def cancel_flag(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def admitted(request_id: str) -> str:
+    """Set when a request's jobs were queued, so a retried admission never queues twice."""
+    return f"{PREFIX}:admitted:{request_id}"
+
+
+def idempotency(model: str, key: str) -> str:
+    return f"{PREFIX}:idem:{model}:{key}"
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
+
+
+def gateway_heartbeat(gateway_id: str) -> str:
+    return f"{PREFIX}:gateway:{gateway_id}"
+
+
+def image(digest: str) -> str:
+    """The bytes of a request's image, named by their SHA-256 (the gateway stores them)."""
+    return f"{PREFIX}:image:{digest}"
+
+
+def image_embedding(model: str, digest: str) -> str:
+    """An encode worker's embedding of one image for one model (the redis transport)."""
+    return f"{PREFIX}:embedding:{model}:{digest}"
+
+
+def adapters_desired(base_model: str) -> str:
+    """Hash: LoRA adapter name -> its AdapterSpec, the adapters every worker of
+    ``base_model`` must load (written from SQL by the gateway; see
+    shared/queue/lora_registry.py)."""
+    return f"{PREFIX}:adapters:{base_model}"
+
+
+def adapters_generation(base_model: str) -> str:
+    """Counter bumped with every write of :func:`adapters_desired` (workers poll it).
+    Missing: the desired state is unknown (never published, or lost): workers keep theirs."""
+    return f"{PREFIX}:adapters-generation:{base_model}"
+
+
+def adapter_lock(name: str) -> str:
+    """Lock held while adapter ``name`` is registered or removed (one change at a time,
+    across gateways and the CLI)."""
+    return f"{PREFIX}:lock:adapter:{name}"
+
+
+def adapters_publish_lock(base_model: str) -> str:
+    """Lock held while the SQL registry of ``base_model`` is read and published, so two
+    writers cannot publish stale reads over each other."""
+    return f"{PREFIX}:lock:adapters-publish:{base_model}"
+
+
+def command_reply(command_id: str) -> str:
+    """List a worker pushes its answer to one admin command onto (short-lived)."""
+    return f"{PREFIX}:command-reply:{command_id}"
+
+
+API_KEYS_GENERATION = f"{PREFIX}:apikeys:generation"
+"""Counter bumped after every change to the API keys in SQL; gateways poll it and reload."""
+
+USAGE_STREAM = f"{PREFIX}:usage"
+"""Usage records on their way to the SQL ledger (drained by the `ledger` consumer group)."""
+
+USAGE_GROUP = "ledger"
+
+USAGE_DEAD_LETTER = f"{PREFIX}:usage:dead"
+"""Usage entries that could not be decoded, kept for an operator instead of dropped."""
+
+LEDGER_RETENTION_LOCK = f"{PREFIX}:ledger:retention"
+"""Held (SET NX with a TTL) by the one gateway deleting expired ledger rows this period."""
+
+
+def key_window(key_id: str, limit: str, minute: int) -> str:
+    """A key's request or token count in one minute (``limit`` is rpm or tpm)."""
+    return f"{PREFIX}:limit:{key_id}:{limit}:{minute}"
+
+
+def key_concurrency(key_id: str) -> str:
+    """Sorted set: a key's open requests, scored by their lease expiry (ms)."""
+    return f"{PREFIX}:limit:{key_id}:open"
+
+
+def key_budget(key_id: str, period: str) -> str:
+    """A key's tokens used in one budget period (``d20261124``, ``m202611``)."""
+    return f"{PREFIX}:limit:{key_id}:budget:{period}"
+
+
+def open_requests(gateway_id: str) -> str:
+    """Hash: request id -> the usage record's start (shared/queue/open_requests.py), for every
+    request the gateway queued and has not recorded usage for yet."""
+    return f"{PREFIX}:open-requests:{gateway_id}"
+
+
+OPEN_REQUESTS_PATTERN = f"{PREFIX}:open-requests:*"
+
+
+def gateway_of_open_requests(key: str) -> str:
+    return key.removeprefix(open_requests(""))
+
+
+def sent_tally(request_id: str) -> str:
+    """Hash: what workers published for a request, all its sequences together (written by
+    the run journal; read only when its gateway died: shared/queue/open_requests.py)."""
+    return f"{PREFIX}:sent:{request_id}"

@@ -1,0 +1,138 @@
+"""Check a PEFT LoRA folder against the served model before any engine sees it.
+
+An engine's own load (vLLM ``add_lora``) raises for a missing folder or mismatched
+shapes, but on a mismatch it has already registered the adapter half-activated, and a
+bad path in a request (rather than a load) kills the engine. So a folder is read here
+first, without torch: ``adapter_config.json`` (a LoRA, rank within the worker's limit,
+nothing but linear layers) and the safetensors header (every matrix's shape matches the
+model's layers). The reasons are what the worker reports (``failed: <reason>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.peft_layout import LlamaShapes
+from workers.engines.base import AdapterLoadError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_LINEAR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_NOT_LINEAR = ("embed_tokens", "lm_head", "lora_embedding")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    path: Path
+    rank: int
+    weights: Path
+
+
+def check_adapter(path: str, *, max_rank: int, model: LlamaShapes | None) -> AdapterFiles:
+    """The checked adapter at ``path``; raises :class:`AdapterLoadError` with the reason.
+    ``model`` None (not a Llama-family config): the shapes are left to the engine."""
+    folder = Path(path)
+    if not folder.is_absolute():
+        raise AdapterLoadError(f"adapter path {path!r} is not absolute")
+    if not folder.is_dir():
+        raise AdapterLoadError(f"no adapter folder at {path}")
+    config = _config(folder)
+    rank = _rank(config, max_rank)
+    weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    if weights is None:
+        raise AdapterLoadError(f"{path} has no {' or '.join(WEIGHT_FILES)}")
+    if weights.suffix == ".safetensors":
+        _check_shapes(_header(weights), model)
+    return AdapterFiles(folder, rank, weights)
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise AdapterLoadError(f"{folder} has no {CONFIG_FILE}") from exc
+    except (OSError, ValueError) as exc:
+        raise AdapterLoadError(f"unreadable {CONFIG_FILE}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterLoadError(f"{CONFIG_FILE} is not a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterLoadError(f"not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+    if config.get("modules_to_save"):
+        raise AdapterLoadError("adapters with modules_to_save are not served")
+    if config.get("use_dora"):
+        raise AdapterLoadError("DoRA adapters are not served")
+    targets = config.get("target_modules") or []
+    if any(name in str(targets) for name in _NOT_LINEAR):
+        raise AdapterLoadError(
+            "adapters of the embeddings or lm_head are not served (linear layers only)"
+        )
+    return config
+
+
+def _rank(config: dict[str, Any], max_rank: int) -> int:
+    try:
+        ranks = [int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AdapterLoadError(f"{CONFIG_FILE} has no valid rank 'r'") from exc
+    rank = max(ranks)
+    if rank < 1:
+        raise AdapterLoadError(f"rank {rank} is not a LoRA rank")
+    if rank > max_rank:
+        raise AdapterLoadError(f"rank {rank} is over this worker's max_lora_rank {max_rank}")
+    return rank
+
+
+def _header(weights: Path) -> dict[str, Any]:
+    """The safetensors header: tensor name -> {dtype, shape, data_offsets}."""
+    try:
+        with weights.open("rb") as file:
+            (size,) = struct.unpack("<Q", file.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise AdapterLoadError(f"{weights.name} is corrupt (header of {size} bytes)")
+            header = json.loads(file.read(size))
+    except AdapterLoadError:
+        raise
+    except (OSError, ValueError, struct.error) as exc:
+        raise AdapterLoadError(f"{weights.name} is corrupt ({exc})") from exc
+    if not isinstance(header, dict):
+        raise AdapterLoadError(f"{weights.name} is corrupt (header is not an object)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if not tensors:
+        raise AdapterLoadError(f"{weights.name} holds no tensors")
+    return tensors
+
+
+def _check_shapes(tensors: dict[str, Any], model: LlamaShapes | None) -> None:
+    for name, info in tensors.items():
+        if any(part in name for part in _NOT_LINEAR):
+            raise AdapterLoadError(
+                f"{name}: adapters of the embeddings or lm_head are not served (linear layers only)"
+            )
+        match = _LINEAR.search(name)
+        if model is None or match is None:
+            continue
+        layer, module, part = int(match[1]), match[2], match[3]
+        if layer >= model.layers:
+            raise AdapterLoadError(
+                f"made for another model: {name} names layer {layer}, "
+                f"this model has {model.layers} layers"
+            )
+        try:
+            in_features, out_features = model.linear(module)
+        except KeyError:
+            continue  # a module this check does not know: the engine checks it
+        shape = list(info.get("shape") or []) if isinstance(info, dict) else []
+        expected_dim = in_features if part == "A" else out_features
+        got_dim = shape[1] if part == "A" and len(shape) == 2 else shape[0] if shape else None
+        if len(shape) != 2 or got_dim != expected_dim:
+            side = "input" if part == "A" else "output"
+            raise AdapterLoadError(
+                f"made for another model: {name} has shape {shape}, this model's {module} "
+                f"{side} size is {expected_dim}"
+            )

@@ -1,0 +1,1 @@
+"""The SGLang engine (GPU hosts): the only package that imports sglang."""

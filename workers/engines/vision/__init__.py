@@ -1,0 +1,1 @@
+"""The encode role's engine: a vision encoder and the cache of its embeddings."""

@@ -1,0 +1,1 @@
+"""The vLLM engine: the only package that imports vllm."""

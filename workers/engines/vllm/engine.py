@@ -1,0 +1,202 @@
+"""vLLM adapter: the only module that imports vllm.
+
+Wraps ``AsyncLLM`` (continuous batching across every concurrent ``generate``)
+and translates vLLM's exceptions into :mod:`shared.errors`, in one place
+(:func:`~workers.engines.vllm.translate.vllm_errors`); where its engine runs is
+:mod:`workers.engines.vllm.placement`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from shared.errors import EngineError
+from shared.protocol import SamplingOptions
+from shared.settings import Role, Settings
+from workers.engines.base import (
+    EngineInfo,
+    Handoff,
+    PromptImages,
+    PromptTokenStats,
+    StepOutput,
+)
+from workers.engines.vision.encoder import vision_family
+from workers.engines.vllm import lora as vllm_lora
+from workers.engines.vllm.admin import VllmAdmin
+from workers.engines.vllm.placement import (
+    engine_cores,
+    kv_transfer_config,
+    pin_process_tree,
+    place_engine,
+)
+from workers.engines.vllm.translate import sampling_params, step_output, tokens_prompt, vllm_errors
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(self, settings: Settings, model_path: str, served_name: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kv_transfer = kv_transfer_config(settings)
+        place_engine(settings)  # prefill/decode too: see place_engine
+        pooling = settings.role is Role.EMBED
+        args = AsyncEngineArgs(
+            model=model_path,
+            runner="pooling" if pooling else "auto",
+            served_model_name=served_name,
+            dtype=settings.dtype,  # type: ignore[arg-type]
+            max_model_len=settings.max_model_len,  # type: ignore[arg-type]
+            enforce_eager=True,
+            max_num_seqs=settings.worker_max_slots,
+            enable_prefix_caching=not pooling,  # encoder-only models keep no KV cache
+            kv_transfer_config=kv_transfer,
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=not settings.json_any_whitespace
+            ),
+            # Per-step stats cost CPU beside the engine on every token; only prefill/decode
+            # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
+            disable_log_stats=kv_transfer is None,
+            **_vision_args(model_path, settings),
+            **vllm_lora.engine_args(settings, model_path),
+        )
+        self.prompt_stats = PromptTokenStats()
+        self._llm = AsyncLLM.from_engine_args(
+            args,
+            stat_loggers=None if kv_transfer is None else [_prompt_stats_logger(self.prompt_stats)],
+        )
+        if kv_transfer is not None and settings.pin_kv_engines:
+            pin_process_tree(engine_cores(settings))
+        config = self._llm.model_config
+        self._vision_family = vision_family(model_path)
+        self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
+        self.adapters, self.adapters_off = vllm_lora.attach(self._llm, settings, model_path)
+        self.admin = VllmAdmin(self._llm)
+
+    async def generate(
+        self,
+        job_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        handoff: Handoff | None = None,
+        images: PromptImages | None = None,
+        adapter: str | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        params = sampling_params(sampling, kv_transfer_params=handoff)
+        lora = vllm_lora.lora_request(self.adapters, adapter)
+        with vllm_errors("generation"):
+            stream = self._llm.generate(
+                self._prompt(prompt_token_ids, images), params, job_id, lora_request=lora
+            )
+            async for output in stream:
+                yield step_output(output, prompt_token_ids, sampling.logprobs)
+
+    def _prompt(self, prompt_token_ids: list[int], images: PromptImages | None) -> Any:
+        return tokens_prompt(prompt_token_ids, images, self._vision_family)
+
+    def plan_handoff(self, job_id: str) -> Handoff | None:
+        return None  # vLLM's kv_transfer_params exist only once prefill has run
+
+    async def prefill(
+        self,
+        job_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        handoff: Handoff | None = None,
+        images: PromptImages | None = None,
+    ) -> Handoff:
+        """Run the prompt with max_tokens=1 and keep its KV for a remote decode."""
+        params = sampling_params(
+            msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0),
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        result: Handoff | None = None
+        with vllm_errors("prefill"):
+            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
+            async for output in stream:
+                if output.kv_transfer_params is not None:
+                    result = dict(output.kv_transfer_params)
+        if result is None:
+            raise EngineError("prefill returned no kv_transfer_params (is a KV connector set?)")
+        return result
+
+    async def embed(
+        self, job_id: str, prompt_token_ids: list[int], *, dimensions: int | None = None
+    ) -> list[float]:
+        """The pooling runner's embedding (the model's own pooler: MiniLM means, normalizes)."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        vector: list[float] | None = None
+        with vllm_errors("embedding", param="dimensions"):
+            params = PoolingParams(task="embed", dimensions=dimensions)
+            stream = self._llm.encode(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, job_id
+            )
+            async for output in stream:
+                if output.finished:
+                    vector = [float(x) for x in output.outputs.data.tolist()]
+        if vector is None:
+            raise EngineError("the engine returned no embedding")
+        return vector
+
+    async def abort(self, job_id: str) -> None:
+        await self._llm.abort(job_id)
+
+    async def check_health(self) -> None:
+        with vllm_errors("health check"):
+            await self._llm.check_health()
+
+    def running(self) -> int:
+        return int(self._llm.get_num_unfinished_requests())
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
+    """A vLLM stat logger that counts where prompt tokens came from."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PromptStatsLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any
+        ) -> None:
+            prompt = getattr(iteration_stats, "prompt_token_stats", None)
+            if prompt is not None and prompt.total:
+                stats.computed += int(prompt.computed)
+                stats.from_local_cache += int(prompt.local_cache_hit)
+                stats.transferred += int(prompt.external_kv_transfer)
+            transfers = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            durations = transfers.get("transfer_duration") if isinstance(transfers, dict) else None
+            if durations:
+                stats.kv_transfers += len(durations)
+                stats.kv_transfer_s += float(sum(durations))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PromptStatsLogger
+
+
+def _vision_args(model_path: str, settings: Settings) -> dict[str, Any]:
+    """Vision-language models also take image embeddings made by an encode worker."""
+    if vision_family(model_path) is None:
+        return {}
+    return {
+        "enable_mm_embeds": True,
+        "limit_mm_per_prompt": {"image": settings.max_images_per_request},
+    }

@@ -1,0 +1,1 @@
+"""A worker's health: its heartbeat and status, the engine monitor, and the idle canary."""

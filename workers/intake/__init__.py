@@ -1,0 +1,3 @@
+"""Intake: reading jobs off the streams, the checks before one runs, and reclaiming the jobs of
+dead workers.
+"""

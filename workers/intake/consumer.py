@@ -1,0 +1,220 @@
+"""Steps 1-3 of the worker loop: read jobs, lease them through the intake checks, run them.
+
+1. Read up to ``free slots`` jobs from the role's stream (pull = least-loaded
+   balancing across workers); the janitor passes in jobs it reclaimed.
+2. Lease a whole read in one round trip (:meth:`RunJournal.begin_all`, with
+   :meth:`Intake.clients_gone`) and apply the intake checks: drop, fail cleanly,
+   or run. A start that Redis fails is tried again at once, with backoff, for as
+   long as the worker runs: a delivery must never wait for the stale-entry reclaim.
+3. Run the role's :class:`~workers.roles.base.JobRun` per job as a task; the
+   engine batches them continuously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from shared.connections.connect import MAX_BLOCK_MS
+from shared.connections.retry import Backoff
+from shared.errors import EngineDead, EngineError
+from shared.queue.job_queue import Delivery, JobQueue, JobStream
+from workers.intake.active_jobs import ActiveJobs, Lifecycle
+from workers.intake.checks import Intake, Verdict
+from workers.intake.recent_cancels import RecentCancels
+from workers.journal.run_journal import RunJournal, RunLease
+from workers.roles.base import JobRun, NewRun
+
+log = logging.getLogger(__name__)
+
+READ_RETRY_S = 0.5
+START_RETRY_FIRST_S = 0.05
+START_RETRY_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobReader:
+    """This worker's reads of its role's job streams (the model's, plus one per LoRA
+    adapter loaded here: :meth:`add` / :meth:`remove`; the janitor shares the list)."""
+
+    queue: JobQueue
+    streams: list[JobStream]
+    consumer: str
+    block_ms: int
+
+    async def prepare(self) -> None:
+        for stream in self.streams:
+            await self.queue.ensure_group(stream.name)
+
+    async def read(self, count: int) -> list[Delivery]:
+        block_ms = min(self.block_ms, MAX_BLOCK_MS)
+        if not self.streams:
+            await asyncio.sleep(block_ms / 1000)
+            return []
+        return await self.queue.read(self.streams, self.consumer, count=count, block_ms=block_ms)
+
+    async def add(self, stream: JobStream) -> None:
+        """Read ``stream`` too, from the next read on (its consumer group is created)."""
+        await self.queue.ensure_group(stream.name)
+        if stream not in self.streams:
+            self.streams.append(stream)
+
+    def remove(self, stream: JobStream) -> None:
+        if stream in self.streams:
+            self.streams.remove(stream)
+
+
+class JobConsumer:
+    def __init__(
+        self,
+        *,
+        reader: JobReader,
+        journal: RunJournal,
+        intake: Intake,
+        jobs: ActiveJobs,
+        lifecycle: Lifecycle,
+        new_run: NewRun,
+        recent_cancels: RecentCancels,
+        on_start: Callable[[], None],
+    ) -> None:
+        self._reader = reader
+        self._journal = journal
+        self._intake = intake
+        self._jobs = jobs
+        self._lifecycle = lifecycle
+        self._new_run = new_run
+        self._recent_cancels = recent_cancels
+        self._on_start = on_start
+        self._reading = asyncio.Lock()
+        """Held from a read until its jobs are started (see :meth:`quiesce`)."""
+
+    async def prepare(self) -> None:
+        """Make sure the streams and their consumer group exist."""
+        await self._reader.prepare()
+
+    async def run(self) -> None:
+        """Read and start jobs until the worker stops."""
+        backoff = Backoff(READ_RETRY_S, READ_RETRY_S)
+        log.info(
+            "worker %s reading %s",
+            self._reader.consumer,
+            [stream.name for stream in self._reader.streams],
+        )
+        while not self._lifecycle.stopping:
+            if self._lifecycle.paused:
+                await self._lifecycle.wait_unpaused()
+                continue
+            free = self._jobs.free()
+            if free <= 0:
+                await self._jobs.wait_for_slot()
+                continue
+            try:
+                async with self._reading:
+                    deliveries = await self._reader.read(free)
+                    await self.start_all(deliveries)
+                backoff.reset()
+            except RedisError as exc:
+                log.warning("job read failed (%s); retrying", exc)
+                await backoff.wait()
+
+    async def quiesce(self) -> None:
+        """Return once every read begun before this call has had its jobs started: after a
+        pause or :meth:`remove_stream`, no job of an earlier read is still on its way."""
+        async with self._reading:
+            pass
+
+    async def add_stream(self, stream: JobStream) -> None:
+        await self._reader.add(stream)
+
+    async def remove_stream(self, stream: JobStream) -> None:
+        """Stop reading ``stream``; returns once no job read from it is still starting."""
+        self._reader.remove(stream)
+        await self.quiesce()
+
+    async def start_all(self, deliveries: list[Delivery]) -> None:
+        """Lease and start every delivery of one read, in one round trip for the batch.
+
+        A delivery must never wait for the stale-entry reclaim: if Redis fails the
+        lease, the whole batch is tried again at once (with a short backoff) for as
+        long as the worker runs.
+        """
+        with self._jobs.starting(d.entry_id for d in deliveries):
+            await self._start_all(deliveries)
+
+    async def _start_all(self, deliveries: list[Delivery]) -> None:
+        backoff = Backoff(START_RETRY_FIRST_S, START_RETRY_MAX_S)
+        while deliveries:
+            try:
+                leases, gone = await asyncio.gather(
+                    self._journal.begin_all(deliveries),
+                    self._intake.clients_gone([d.job for d in deliveries]),
+                )
+            except RedisError as exc:
+                if self._lifecycle.stopping:
+                    log.warning(
+                        "could not start %d jobs (%s) while stopping; they go to "
+                        "another worker once this one has left",
+                        len(deliveries),
+                        exc,
+                    )
+                    return
+                delay = backoff.next_delay()
+                log.warning(
+                    "could not start %d jobs (%s); trying again in %.2fs",
+                    len(deliveries),
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            for lease, why_gone in zip(leases, gone, strict=True):
+                await self._start(lease, why_gone)
+            return
+
+    async def _start(self, lease: RunLease, gone: str | None) -> None:
+        run = self._new_run(lease, self._journal)
+        decision = await self._intake.decide(lease, gone)
+        if decision.verdict is Verdict.DROP:
+            log.info("job %s dropped at dequeue: %s", lease.job_id, decision.reason)
+            self._journal.finish(lease)
+            return
+        if decision.verdict is Verdict.FAIL and decision.error is not None:
+            log.warning("job %s not run: %s", lease.job_id, decision.reason)
+            run.fail(decision.error)
+            return
+        if lease.attempt:
+            log.info(
+                "job %s resumes after %d tokens (attempt %d)",
+                lease.job_id,
+                len(lease.emitted),
+                lease.attempt,
+            )
+        # A cancel published while this job was being leased found nothing to cancel:
+        # catch it here, where no await separates the check from the registration.
+        if self._recent_cancels.holds(lease.delivery.job.request_id):
+            log.info("job %s dropped at dequeue: client disconnected", lease.job_id)
+            self._journal.finish(lease)
+            return
+        self._on_start()
+        task = asyncio.create_task(self._run_job(run), name=lease.job_id)
+        self._jobs.add(run, task)
+
+    async def _run_job(self, run: JobRun) -> None:
+        job_id = run.lease.job_id
+        try:
+            await run.run()
+        except asyncio.CancelledError:
+            if not self._jobs.fenced(job_id) and not self._jobs.handing_back:
+                self._journal.finish(run.lease)  # the client left: the job is done
+        except EngineDead:
+            self._jobs.orphaned.append(run.lease)
+            self._lifecycle.engine_died()
+        except Exception:
+            log.exception("job %s crashed", job_id)
+            run.fail(EngineError("the worker hit an internal error running this request"))
+        finally:
+            self._jobs.done(job_id)

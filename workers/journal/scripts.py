@@ -1,0 +1,285 @@
+"""The run journal's Lua scripts and the rows of arguments each one takes.
+
+Each script's ``ARGV`` is a header and then, for the batch scripts, one row per
+job. Every header and row is a ``NamedTuple``: Python builds it by field name,
+and the Lua text unpacks the same field names into locals (:func:`lua_locals`),
+so the two sides cannot drift apart; no index arithmetic is kept in step by hand.
+A write row is followed by its ``event_count`` encoded events.
+
+What the scripts do is described in :mod:`workers.journal.run_journal`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+
+def lua_locals(fields: Sequence[str], offset: str | int = 0) -> str:
+    """``local a, b = ARGV[offset + 1], ARGV[offset + 2]``: one row's fields as Lua locals."""
+
+    def at(n: int) -> str:
+        return f"ARGV[{n}]" if offset == 0 else f"ARGV[{offset} + {n}]"
+
+    return f"local {', '.join(fields)} = {', '.join(at(n + 1) for n in range(len(fields)))}"
+
+
+# --------------------------------------------------------------------------- begin
+
+
+class BeginArgs(NamedTuple):
+    """KEYS: the run hash, the emitted-tokens string."""
+
+    fence: str
+    ttl_ms: int
+
+
+BEGIN = f"""
+local run, emitted = KEYS[1], KEYS[2]
+{lua_locals(BeginArgs._fields)}
+local starts = redis.call('HINCRBY', run, 'starts', 1)
+redis.call('HSET', run, 'owner', fence)
+redis.call('PEXPIRE', run, ttl_ms)
+if redis.call('EXISTS', emitted) == 0 then
+  redis.call('SET', emitted, '', 'PX', ttl_ms)
+else
+  redis.call('PEXPIRE', emitted, ttl_ms)
+end
+return {{starts - 1, tonumber(redis.call('HGET', run, 'seq') or '0'), redis.call('GET', emitted)}}
+"""
+
+# --------------------------------------------------------------------------- write
+
+
+class WriteHeader(NamedTuple):
+    version: bytes
+    group: str
+    job_count: int
+    sent_ttl_ms: int
+    """How long a request's sent tally (shared/queue/open_requests.py) outlives its last write."""
+
+
+class WriteRow(NamedTuple):
+    """One job's writes of a step; its ``event_count`` encoded events follow the row."""
+
+    run: str
+    emitted: str
+    fence: str
+    reply_to: str
+    seq_after: int
+    """The job's next seq once these events are out."""
+    tokens: bytes
+    """The step's token ids (int32, little-endian), appended to ``emitted``."""
+    ack_stream: str
+    """The job's stream when it finished (ack it), else ''."""
+    ack_entry: str
+    done_key: str
+    sent: str
+    """The request's sent tally (shared/queue/open_requests.py): usage if its gateway dies."""
+    sent_tokens: int
+    now_ms: int
+    finish_field: str
+    """The tally field of the job's final event in this write ('' = none)."""
+    finish_value: str
+    event_count: int
+
+
+WRITE = f"""
+{lua_locals(WriteHeader._fields)}
+local fenced = {{}}
+local batches, reply_streams = {{}}, {{}}
+local i = {len(WriteHeader._fields)}
+for _ = 1, tonumber(job_count) do
+  {lua_locals(WriteRow._fields, "i")}
+  local first, count = i + {len(WriteRow._fields) + 1}, tonumber(event_count)
+  i = i + {len(WriteRow._fields)} + count
+  local stored_seq = tonumber(redis.call('HGET', run, 'seq') or '0')
+  local owner = redis.call('HGET', run, 'owner')
+  local owned = owner == fence
+  if owned and ack_stream == '' and stored_seq >= tonumber(seq_after) then
+    -- a retry of a write that already landed (its reply was lost): apply it once
+  elseif not owner and ack_stream ~= '' and redis.call('EXISTS', run) == 0 then
+    -- a finish whose run is gone: it landed already (its reply was lost), nothing to do
+  elseif owned then
+    if tonumber(sent_tokens) > 0 then
+      redis.call('HINCRBY', sent, 'c', sent_tokens)
+      redis.call('HSETNX', sent, 't', now_ms)
+    end
+    if finish_field ~= '' then redis.call('HSET', sent, finish_field, finish_value) end
+    if tonumber(sent_tokens) > 0 or finish_field ~= '' then
+      redis.call('PEXPIRE', sent, sent_ttl_ms)
+    end
+    local batch = batches[reply_to]
+    if batch == nil then
+      batch = {{}}
+      batches[reply_to] = batch
+      table.insert(reply_streams, reply_to)
+    end
+    for k = first, first + count - 1 do
+      table.insert(batch, ARGV[k])
+    end
+    if ack_stream ~= '' then
+      redis.call('XACK', ack_stream, group, ack_entry)
+      redis.call('XDEL', ack_stream, ack_entry)
+      redis.call('DEL', run, emitted)
+      redis.call('INCR', done_key)
+    else
+      if tokens ~= '' then redis.call('APPEND', emitted, tokens) end
+      redis.call('HSET', run, 'seq', seq_after)
+    end
+  else
+    table.insert(fenced, run)
+  end
+end
+-- One entry per reply stream: a MessagePack array (array32 header + the events).
+for _, reply_to in ipairs(reply_streams) do
+  local batch = batches[reply_to]
+  local n = #batch
+  if n > 0 then
+    local header = string.char(0xdd, math.floor(n / 16777216) % 256,
+      math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+    redis.call('XADD', reply_to, '*', 'v', version, 'e', header .. table.concat(batch))
+  end
+end
+return fenced
+"""
+
+# ----------------------------------------------------------------------- hand back
+
+
+class HandBackArgs(NamedTuple):
+    """KEYS: the run hash."""
+
+    fence: str
+    stream: str
+    entry: str
+    version: bytes
+    payload: bytes
+    group: str
+    graceful: str
+    """'1': a drain, which is not a failed delivery; '0': after an engine death."""
+
+
+HAND_BACK = f"""
+local run = KEYS[1]
+{lua_locals(HandBackArgs._fields)}
+if redis.call('HGET', run, 'owner') ~= fence then return 0 end
+redis.call('XADD', stream, '*', 'v', version, 'm', payload)
+redis.call('XACK', stream, group, entry)
+redis.call('XDEL', stream, entry)
+redis.call('HDEL', run, 'owner')
+if graceful == '1' then
+  redis.call('HINCRBY', run, 'starts', -1)  -- a graceful hand-back is not a failed delivery
+end
+return 1
+"""
+
+# ------------------------------------------------------------------------- forward
+
+
+class ForwardArgs(NamedTuple):
+    """KEYS: the run hash, the emitted-tokens string."""
+
+    fence: str
+    next_stream: str
+    """Where the next stage's job goes ('' = nowhere: only finish this one)."""
+    version: bytes
+    payload: bytes
+    stream: str
+    entry: str
+    """This job's entry, acked with the forward ('' = keep it: the job runs on)."""
+    group: str
+    done_key: str
+
+
+FORWARD = f"""
+local run, emitted = KEYS[1], KEYS[2]
+{lua_locals(ForwardArgs._fields)}
+if redis.call('HGET', run, 'owner') ~= fence then return 0 end
+if next_stream ~= '' then
+  redis.call('XADD', next_stream, '*', 'v', version, 'm', payload)
+end
+if entry ~= '' then
+  redis.call('XACK', stream, group, entry)
+  redis.call('XDEL', stream, entry)
+  redis.call('DEL', run, emitted)
+  redis.call('INCR', done_key)
+end
+return 1
+"""
+
+# ------------------------------------------------------------------------- refresh
+
+
+class RefreshHeader(NamedTuple):
+    consumer: str
+    group: str
+    ttl_ms: int
+
+
+class RefreshRow(NamedTuple):
+    run: str
+    emitted: str
+    fence: str
+    stream: str
+    entry: str
+
+
+_HEADER, _ROW = len(RefreshHeader._fields), len(RefreshRow._fields)
+REFRESH = f"""
+{lua_locals(RefreshHeader._fields)}
+local lost = {{}}
+for i = {_HEADER}, #ARGV - {_ROW}, {_ROW} do
+  {lua_locals(RefreshRow._fields, "i")}
+  if redis.call('HGET', run, 'owner') == fence then
+    redis.call('XCLAIM', stream, group, consumer, 0, entry, 'JUSTID')
+    redis.call('PEXPIRE', run, ttl_ms)
+    redis.call('PEXPIRE', emitted, ttl_ms)
+  else
+    table.insert(lost, run)
+  end
+end
+return lost
+"""
+
+
+class JournalScripts:
+    """The scripts, registered on one client; each call takes its header and rows."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._begin = redis.register_script(BEGIN)
+        self._write = redis.register_script(WRITE)
+        self._hand_back = redis.register_script(HAND_BACK)
+        self._forward = redis.register_script(FORWARD)
+        self._refresh = redis.register_script(REFRESH)
+
+    async def begin(self, pipe: Pipeline, run: str, emitted: str, args: BeginArgs) -> None:
+        """Queue one lease on ``pipe`` (its reply: attempt, next seq, emitted tokens)."""
+        await self._begin(keys=[run, emitted], args=list(args), client=pipe)
+
+    async def write(
+        self, header: WriteHeader, rows: Sequence[tuple[WriteRow, Sequence[bytes]]]
+    ) -> list[Any]:
+        """Returns the run keys of the rows that were fenced out (written nothing)."""
+        args: list[Any] = list(header)
+        for row, events in rows:
+            args += [*row, *events]
+        fenced: list[Any] = await self._write(args=args)
+        return fenced or []
+
+    async def hand_back(self, run: str, args: HandBackArgs) -> bool:
+        return bool(await self._hand_back(keys=[run], args=list(args)))
+
+    async def forward(self, run: str, emitted: str, args: ForwardArgs) -> bool:
+        return bool(await self._forward(keys=[run, emitted], args=list(args)))
+
+    async def refresh(self, header: RefreshHeader, rows: Sequence[RefreshRow]) -> list[Any]:
+        """Returns the run keys no longer owned (not renewed)."""
+        args: list[Any] = list(header)
+        for row in rows:
+            args += list(row)
+        lost: list[Any] = await self._refresh(args=args)
+        return lost or []
