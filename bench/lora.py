@@ -39,7 +39,7 @@ from shared.protocol import ErrorEvent, FinishEvent, GenerateJob, SamplingOption
 from shared.queue import names
 from shared.queue.job_queue import JobQueue
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
-from shared.queue.lora_registry import LOADED, AdapterSpec, adapter_stream, publish_desired
+from shared.queue.lora_registry import LOADED, LoraSpec, adapter_stream, publish_desired
 from shared.roles import Role
 
 MODEL = "bench-tiny"
@@ -118,7 +118,7 @@ async def wait_ready(client: aioredis.Redis, process: subprocess.Popen[bytes]) -
         await asyncio.sleep(0.2)
 
 
-async def time_loads(client: aioredis.Redis, pid: int, specs: list[AdapterSpec]) -> list[float]:
+async def time_loads(client: aioredis.Redis, pid: int, specs: list[LoraSpec]) -> list[float]:
     """Seconds from publishing each adapter to the worker reporting it loaded."""
     seconds = []
     for count in range(1, len(specs) + 1):
@@ -227,7 +227,7 @@ def median(runs: list[Run]) -> Run:
 
 
 async def measure(
-    args: argparse.Namespace, model: Path, specs: list[AdapterSpec], log: Path, **env: str
+    args: argparse.Namespace, model: Path, specs: list[LoraSpec], log: Path, **env: str
 ) -> dict[str, Run]:
     client = aioredis.Redis.from_url(args.redis_url)
     await client.flushdb()
@@ -288,7 +288,7 @@ async def main_async(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="conveyor-bench-lora-"))
     model = write_demo_model(folder / "model")
     specs = [
-        AdapterSpec(
+        LoraSpec(
             name=f"bench-a{i}",
             base_model=MODEL,
             path=str(write_demo_lora(folder / f"a{i}", base=model, seed=i)),

@@ -25,7 +25,7 @@ from gateway.control.lora_service import LoraService
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis
 from shared.queue.liveness import WorkerRegistry
-from shared.queue.lora_registry import SERVING_ROLE, AdapterSpec
+from shared.queue.lora_registry import SERVING_ROLE, LoraSpec
 from shared.settings import Settings
 
 
@@ -84,7 +84,7 @@ async def _run(service: LoraService, args: argparse.Namespace, settings: Setting
 
 
 async def _add(service: LoraService, args: argparse.Namespace, settings: Settings) -> int:
-    spec = AdapterSpec(
+    spec = LoraSpec(
         name=args.name,
         path=str(args.path.expanduser().resolve()),
         base_model=args.base_model or settings.served_name(),
@@ -152,7 +152,7 @@ async def _preload(settings: Settings) -> None:
     folder = (settings.data_dir / DEMO_LORA_NAME).resolve()
     if not (folder / "adapter_config.json").exists():
         write_demo_lora(folder, base=Path(str(settings.model)))
-    spec = AdapterSpec(name=DEMO_LORA_NAME, path=str(folder), base_model=settings.served_name())
+    spec = LoraSpec(name=DEMO_LORA_NAME, path=str(folder), base_model=settings.served_name())
     async with open_control(settings) as (database, redis):
         if redis is None:
             raise RuntimeError("no Redis client")

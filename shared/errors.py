@@ -8,21 +8,21 @@ ConveyorError
 │   ├── ChatTemplateError (400)                       the model's chat template refuses the messages
 │   ├── ImageFetchError (400, invalid_image_url)      an image URL not allowed or not fetchable
 │   ├── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
-│   └── AdapterLoadFailed (400, adapter_load_failed)  every worker refused a LoRA adapter (why)
+│   └── LoraLoadFailed (400, adapter_load_failed)  every worker refused a LoRA adapter (why)
 ├── InvalidApiKey (401, invalid_api_key)              no, malformed, unknown, revoked or expired key
 ├── PermissionDenied (403)                            the key lacks the scope the endpoint needs
 ├── IdempotencyConflict (409)                         same Idempotency-Key still running
 ├── ApiKeyRevoked (409)                               an admin change to a key that is revoked
-├── AdapterConflict (409)                             a LoRA name registered with another spec
+├── LoraConflict (409)                             a LoRA name registered with another spec
 ├── ModelNotFound (404, model_not_found)
 ├── ApiKeyNotFound (404)                              /admin/keys/{id} names no key
-├── AdapterNotFound (404)                             no LoRA adapter is registered by that name
+├── LoraNotFound (404)                             no LoRA adapter is registered by that name
 ├── WorkerNotFound (404)                              /admin/workers/{id} names no live worker
 ├── Overloaded (429, rate_limit_exceeded)             recoverable: retry after `retry_after_s`
 ├── KeyRateLimited (429, rate_limit_exceeded)         the key's RPM/TPM/concurrency: retry later
 ├── QuotaExceeded (429, insufficient_quota)           the key's budget for the period is spent
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
-├── AdapterLoadTimeout (503)                          no worker finished loading an adapter in time
+├── LoraLoadTimeout (503)                          no worker finished loading an adapter in time
 ├── GatewayDraining (503)                             recoverable: another gateway / later
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
 │   └── WorkerCommandTimeout (504)                    a worker did not answer an admin command
@@ -142,20 +142,20 @@ class ApiKeyRevoked(ConveyorError):
     code = "api_key_revoked"
 
 
-class AdapterLoadFailed(InvalidRequest):
+class LoraLoadFailed(InvalidRequest):
     """Every live worker of the base model refused the adapter (bad path, rank, base...):
     the message carries their reasons; nothing stays registered."""
 
     code = "adapter_load_failed"
 
 
-class AdapterConflict(ConveyorError):
+class LoraConflict(ConveyorError):
     status = 409
     type = "invalid_request_error"
     code = "adapter_conflict"
 
 
-class AdapterNotFound(ConveyorError):
+class LoraNotFound(ConveyorError):
     status = 404
     type = "invalid_request_error"
     code = "adapter_not_found"
@@ -252,7 +252,7 @@ class NoLiveWorker(RetryableError):
     code = "no_live_worker"
 
 
-class AdapterLoadTimeout(RetryableError):
+class LoraLoadTimeout(RetryableError):
     """No live worker reported an adapter loaded (or failed) in time: it was rolled back."""
 
     status = 503

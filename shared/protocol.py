@@ -3,7 +3,7 @@
 Named by pipeline stage: the gateway sends a :class:`GenerateJob` down a job
 stream; a worker sends :class:`TokenEvent` / :class:`FinishEvent` /
 :class:`ErrorEvent` back on the gateway's reply stream; :class:`CancelCommand`
-and :class:`WorkerCommand` travel on the control channel (a worker answers the latter
+and :class:`WorkerCommand` travel on the command channel (a worker answers the latter
 with a :class:`WorkerCommandResult`). Messages are frozen msgspec structs encoded as
 MessagePack (never pickled) and carry a protocol version.
 """
@@ -216,7 +216,7 @@ class CancelCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kin
 
 
 class WorkerCommand(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="wcmd"):
-    """An admin command for one worker (control channel); answered with a
+    """An admin command for one worker (command channel); answered with a
     :class:`WorkerCommandResult` pushed onto ``keys.command_reply(command_id)``."""
 
     command_id: str

@@ -17,9 +17,9 @@ from shared.queue.job_queue import JobQueue, JobStream
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
 from shared.settings import WorkerSettings
-from workers.commands.admin import WorkerControl
-from workers.commands.listener import CancelListener
-from workers.commands.lora_sync import AdapterReconciler, AdapterTiming
+from workers.commands.admin import WorkerAdmin
+from workers.commands.listener import CommandListener
+from workers.commands.lora_sync import LoraReconciler, LoraTiming
 from workers.health.canary import Canary
 from workers.health.status import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
@@ -46,26 +46,26 @@ class WorkerPolicy:
 
     max_slots: int
     heartbeat_ttl_s: float
-    claim_idle_ms: int
+    claim_idle_s: float
     shutdown_grace_s: float
     max_deliveries: int
     migration_limit: int
     canary_idle_s: float
-    read_block_ms: int
-    gateway_grace_s: float
+    job_read_block_ms: int
+    gateway_liveness_ttl_s: float
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> WorkerPolicy:
         return cls(
             max_slots=settings.worker_max_slots,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
-            claim_idle_ms=int(settings.claim_idle_s * 1000),
+            claim_idle_s=settings.claim_idle_s,
             shutdown_grace_s=settings.shutdown_grace_s,
             max_deliveries=settings.max_deliveries,
             migration_limit=settings.migration_limit,
             canary_idle_s=settings.canary_idle_s,
-            read_block_ms=settings.job_read_block_ms,
-            gateway_grace_s=settings.gateway_liveness_ttl_s,
+            job_read_block_ms=settings.job_read_block_ms,
+            gateway_liveness_ttl_s=settings.gateway_liveness_ttl_s,
         )
 
 
@@ -78,7 +78,7 @@ class Timing:
     orphan_check_s: float = ORPHAN_CHECK_INTERVAL_S
     health_check_s: float = HEALTH_CHECK_INTERVAL_S
     journal_retry_s: float = JOURNAL_RETRY_S
-    adapters: AdapterTiming = field(default_factory=AdapterTiming)
+    adapters: LoraTiming = field(default_factory=LoraTiming)
 
 
 def build_worker(
@@ -109,10 +109,10 @@ def build_worker(
         retry_for_s=timing.journal_retry_s,
     )
     recent = recent_cancels or RecentCancels()
-    gateways = GatewayWatch(redis, grace_s=policy.gateway_grace_s)
+    gateways = GatewayWatch(redis, grace_s=policy.gateway_liveness_ttl_s)
     canary = Canary(parts.probe, idle_s=policy.canary_idle_s)
     consumer = JobConsumer(
-        reader=JobReader(queue, streams, worker_id, policy.read_block_ms),
+        reader=JobReader(queue, streams, worker_id, policy.job_read_block_ms),
         journal=journal,
         intake=Intake(redis, IntakePolicy(policy.max_deliveries, policy.migration_limit), gateways),
         jobs=jobs,
@@ -121,7 +121,7 @@ def build_worker(
         recent_cancels=recent,
         on_start=canary.note_activity,
     )
-    adapters = AdapterReconciler(
+    adapters = LoraReconciler(
         redis=redis,
         model=model,
         role=role,
@@ -130,7 +130,7 @@ def build_worker(
         streams=consumer,
         timing=timing.adapters,
     )
-    control = WorkerControl(
+    admin = WorkerAdmin(
         redis,
         worker_id=worker_id,
         lifecycle=lifecycle,
@@ -166,7 +166,7 @@ def build_worker(
             registry=registry,
             streams=streams,
             worker_id=worker_id,
-            claim_idle_ms=policy.claim_idle_ms,
+            claim_idle_s=policy.claim_idle_s,
             start=consumer.start_all,
             in_hand=lambda: jobs.entries_in_hand() | journal.entries_unwritten(),
         ),
@@ -176,10 +176,10 @@ def build_worker(
     )
     helpers = {
         "heartbeat": Heartbeat(registry, status, thread).run,
-        "control": CancelListener(
-            redis, recent=recent, cancel_request=jobs.cancel_request, on_command=control.handle
+        "commands": CommandListener(
+            redis, recent=recent, cancel_request=jobs.cancel_request, on_command=admin.handle
         ).run,
-        "adapters": adapters.run,
+        "lora-sync": adapters.run,
         "engine-monitor": EngineMonitor(
             parts.engine, interval_s=timing.health_check_s, on_dead=lifecycle.engine_died
         ).run,

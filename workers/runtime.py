@@ -14,7 +14,7 @@
    registry. On a dead engine or a journal that gave up: hand back at once, exit 1.
 
 Beside the loop run the helpers :func:`workers.assembly.build_worker` wires in:
-heartbeat and engine monitor (:mod:`workers.health.status`), the control listener
+heartbeat and engine monitor (:mod:`workers.health.status`), the command listener
 (:mod:`workers.commands.listener`: cancels, and admin commands for :mod:`workers.commands.admin`),
 the adapter reconciler, the janitor and the idle canary.
 """

@@ -23,7 +23,7 @@ from shared.queue.lora_registry import POLL_S, desired_generation, read_desired
 log = logging.getLogger(__name__)
 
 
-class AdapterWatch:
+class LoraWatch:
     def __init__(
         self,
         redis: aioredis.Redis,

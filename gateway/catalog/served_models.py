@@ -15,7 +15,7 @@ from typing import Any
 from gateway.catalog.tokenizer import ModelTokenizer
 from gateway.openai.output_formats import NO_FORMATS, OutputFormats, detect
 from shared.errors import InvalidRequest, ModelNotFound, WrongModelKind
-from shared.queue.lora_registry import AdapterSpec
+from shared.queue.lora_registry import LoraSpec
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -84,7 +84,7 @@ class ModelCatalog:
             raise ValueError(f"two served models are named {model.name!r}")
         self._models[model.name] = model
 
-    def set_adapters(self, base: str, specs: Iterable[AdapterSpec]) -> None:
+    def set_adapters(self, base: str, specs: Iterable[LoraSpec]) -> None:
         """The registered adapters of ``base`` (replacing those known before)."""
         model = self._models.get(base)
         kept = {name: m for name, m in self._adapters.items() if m.parent != base}

@@ -34,12 +34,12 @@ from gateway.db import lora_repo
 from gateway.db.engine import transaction
 from gateway.db.models import LoraAdapterRow
 from shared.errors import (
-    AdapterConflict,
-    AdapterLoadFailed,
-    AdapterLoadTimeout,
-    AdapterNotFound,
     BackendUnavailable,
     InvalidRequest,
+    LoraConflict,
+    LoraLoadFailed,
+    LoraLoadTimeout,
+    LoraNotFound,
     ModelNotFound,
     NoLiveWorker,
 )
@@ -47,7 +47,7 @@ from shared.queue import names
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.queue.lora_registry import (
     SERVING_ROLE,
-    AdapterSpec,
+    LoraSpec,
     Rollout,
     publish_desired,
     validate_adapter_name,
@@ -64,15 +64,15 @@ PUBLISH_LOCK_S = 10.0
 class Registered:
     """A registered adapter and where it stands on the live workers."""
 
-    spec: AdapterSpec
+    spec: LoraSpec
     created_at: datetime
     workers: dict[str, str]
     """Worker id -> ``loaded`` / ``loading`` / ``unloading`` / ``failed: <reason>`` /
     ``pending`` (has not applied the registration yet)."""
 
 
-def spec_of(row: LoraAdapterRow) -> AdapterSpec:
-    return AdapterSpec(name=row.name, path=row.path, base_model=row.base_model)
+def spec_of(row: LoraAdapterRow) -> LoraSpec:
+    return LoraSpec(name=row.name, path=row.path, base_model=row.base_model)
 
 
 class LoraService:
@@ -119,16 +119,16 @@ class LoraService:
 
     # ------------------------------------------------------------------ changes
 
-    async def register(self, spec: AdapterSpec) -> Rollout:
+    async def register(self, spec: LoraSpec) -> Rollout:
         """Register ``spec`` and return its rollout once a worker has it loaded; raises
-        InvalidRequest, ModelNotFound, AdapterConflict, NoLiveWorker, AdapterLoadFailed or
-        AdapterLoadTimeout (the last three leave nothing registered that was not before)."""
+        InvalidRequest, ModelNotFound, LoraConflict, NoLiveWorker, LoraLoadFailed or
+        LoraLoadTimeout (the last three leave nothing registered that was not before)."""
         self._check(spec)
         async with self._locked(spec.name):
             async with transaction(self._sessions) as session:
                 existing = await lora_repo.get(session, spec.name)
             if existing is not None and spec_of(existing) != spec:
-                raise AdapterConflict(
+                raise LoraConflict(
                     f"adapter `{spec.name}` is registered with path {existing.path} for "
                     f"`{existing.base_model}`; remove it first to register another",
                     param="name",
@@ -145,7 +145,7 @@ class LoraService:
         log.info("adapter %s registered: loaded on %s", spec.name, ", ".join(state.loaded))
         return state
 
-    async def add_if_absent(self, spec: AdapterSpec) -> bool:
+    async def add_if_absent(self, spec: LoraSpec) -> bool:
         """Register ``spec`` without waiting for workers (``conveyor up``'s demo adapter,
         before any worker runs: they load it before they report ready)."""
         self._check(spec)
@@ -155,18 +155,18 @@ class LoraService:
             await lora_repo.insert(session, _row(spec))
         return True
 
-    async def unregister(self, name: str) -> AdapterSpec:
+    async def unregister(self, name: str) -> LoraSpec:
         """Remove adapter ``name``: workers finish its queued and running requests, then
-        unload it. Raises AdapterNotFound; on a Redis failure the row is put back."""
+        unload it. Raises LoraNotFound; on a Redis failure the row is put back."""
         try:
             validate_adapter_name(name)
         except ValueError:
-            raise AdapterNotFound(f"no LoRA adapter `{name[:128]}` is registered") from None
+            raise LoraNotFound(f"no LoRA adapter `{name[:128]}` is registered") from None
         async with self._locked(name):
             async with transaction(self._sessions) as session:
                 row = await lora_repo.get(session, name)
                 if row is None:
-                    raise AdapterNotFound(f"no LoRA adapter `{name}` is registered", param="name")
+                    raise LoraNotFound(f"no LoRA adapter `{name}` is registered", param="name")
                 spec = spec_of(row)
                 await lora_repo.remove(session, name)
             try:
@@ -196,7 +196,7 @@ class LoraService:
 
     # ------------------------------------------------------------------ steps
 
-    def _check(self, spec: AdapterSpec) -> None:
+    def _check(self, spec: LoraSpec) -> None:
         try:
             validate_adapter_name(spec.name)
         except ValueError as exc:
@@ -229,7 +229,7 @@ class LoraService:
         except RedisError as exc:
             raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
         if not acquired:
-            raise AdapterConflict(f"adapter `{name}` is being changed; retry", param="name")
+            raise LoraConflict(f"adapter `{name}` is being changed; retry", param="name")
         try:
             yield
         finally:
@@ -243,11 +243,11 @@ class LoraService:
             raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
         return [w for w in workers if w.model == base_model and w.role is SERVING_ROLE]
 
-    async def _insert(self, spec: AdapterSpec) -> None:
+    async def _insert(self, spec: LoraSpec) -> None:
         async with transaction(self._sessions) as session:
             await lora_repo.insert(session, _row(spec))
 
-    async def _roll_out(self, spec: AdapterSpec, *, new: bool) -> Rollout:
+    async def _roll_out(self, spec: LoraSpec, *, new: bool) -> Rollout:
         try:
             generation = await self.publish(spec.base_model)
             state = await wait_for_rollout(
@@ -268,17 +268,17 @@ class LoraService:
         undone = "nothing registered" if new else "it stays registered (it was before)"
         if state.failed and not state.pending:
             reasons = "; ".join(f"{w}: {why}" for w, why in sorted(state.failed.items()))
-            raise AdapterLoadFailed(
+            raise LoraLoadFailed(
                 f"adapter `{spec.name}` could not be loaded on any worker ({reasons}); {undone}",
                 param="path",
             )
-        raise AdapterLoadTimeout(
+        raise LoraLoadTimeout(
             f"no worker reported adapter `{spec.name}` loaded within "
             f"{self._load_timeout_s:g}s (still loading: {', '.join(state.pending)}); {undone}",
             retry_after_s=5,
         )
 
-    async def _roll_back(self, spec: AdapterSpec) -> None:
+    async def _roll_back(self, spec: LoraSpec) -> None:
         async with transaction(self._sessions) as session:
             await lora_repo.remove(session, spec.name)
         try:
@@ -288,7 +288,7 @@ class LoraService:
         log.info("adapter %s rolled back", spec.name)
 
 
-def _row(spec: AdapterSpec) -> LoraAdapterRow:
+def _row(spec: LoraSpec) -> LoraAdapterRow:
     return LoraAdapterRow(
         name=spec.name, path=spec.path, base_model=spec.base_model, created_at=datetime.now(UTC)
     )

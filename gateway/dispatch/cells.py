@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
-from gateway.catalog.lora_watch import AdapterWatch
+from gateway.catalog.lora_watch import LoraWatch
 from gateway.catalog.served_models import ModelCatalog
 from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
 from gateway.dispatch.reply_router import ReplyRouter
@@ -46,7 +46,7 @@ class Cell:
     directory: WorkerDirectory
     dispatcher: Dispatcher
     images: ImageStore
-    adapters: AdapterWatch
+    adapters: LoraWatch
 
     def tasks(self, gateway_id: str, liveness_ttl_s: float) -> list[asyncio.Task[None]]:
         """The cell's background tasks (the lifespan cancels them)."""
@@ -151,7 +151,7 @@ def _cell(
         directory=directory,
         dispatcher=dispatcher,
         images=ImageStore(redis),
-        adapters=AdapterWatch(redis, catalog, owns=owns),
+        adapters=LoraWatch(redis, catalog, owns=owns),
     )
 
 

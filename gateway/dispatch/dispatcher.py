@@ -58,7 +58,7 @@ CANCEL_FLAG_TTL_S = 600
 class AdmissionPolicy:
     queue_max_depth: int
     idempotency_ttl_s: int
-    min_prefill_tokens: int
+    disagg_min_prompt_tokens: int
     admission_retry_s: float
 
     @classmethod
@@ -66,7 +66,7 @@ class AdmissionPolicy:
         return cls(
             queue_max_depth=settings.queue_max_depth,
             idempotency_ttl_s=settings.idempotency_ttl_s,
-            min_prefill_tokens=settings.disagg_min_prompt_tokens,
+            disagg_min_prompt_tokens=settings.disagg_min_prompt_tokens,
             admission_retry_s=settings.admission_retry_s,
         )
 
@@ -163,7 +163,7 @@ class Dispatcher:
                 )
             return adapter_stream(plan.adapter), None
         role = self._directory.first_stage(
-            plan.model, work.longest_prompt(), self._policy.min_prefill_tokens
+            plan.model, work.longest_prompt(), self._policy.disagg_min_prompt_tokens
         )
         if role is None:
             raise NoLiveWorker(
@@ -268,7 +268,7 @@ class Dispatcher:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.set(names.cancel_flag(request_id), b"1", ex=CANCEL_FLAG_TTL_S)
                 pipe.publish(
-                    names.control_channel(db_of(self._redis)),
+                    names.command_channel(db_of(self._redis)),
                     encode_bytes(CancelCommand(request_id)),
                 )
                 await pipe.execute()

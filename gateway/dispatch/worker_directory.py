@@ -59,15 +59,17 @@ class WorkerDirectory:
             if w.model == model and w.ready and not w.draining and (role is None or w.role == role)
         ]
 
-    def first_stage(self, model: str, prompt_tokens: int, min_prefill_tokens: int) -> Role | None:
+    def first_stage(
+        self, model: str, prompt_tokens: int, disagg_min_prompt_tokens: int
+    ) -> Role | None:
         """Where a request starts: prefill (then decode) when the model has both pools and
         the prompt fills a KV block; otherwise aggregated, or decode alone; None if nothing."""
         has_prefill = bool(self.serving(model, Role.PREFILL))
         decoders = self.serving(model, Role.DECODE)
         has_decode = bool(decoders)
         if not all(w.can_decode_alone for w in decoders):
-            min_prefill_tokens = 0
-        if has_prefill and has_decode and prompt_tokens >= min_prefill_tokens:
+            disagg_min_prompt_tokens = 0
+        if has_prefill and has_decode and prompt_tokens >= disagg_min_prompt_tokens:
             return Role.PREFILL
         if self.serving(model, Role.AGGREGATED):
             return Role.AGGREGATED

@@ -53,7 +53,7 @@ class Usage:
         return body
 
 
-class ResponseFormat:
+class ResponseWriter:
     """Shared shape of both endpoints; subclasses fill in the per-endpoint parts."""
 
     object_name = ""
@@ -116,7 +116,7 @@ class ResponseFormat:
         raise NotImplementedError
 
 
-class ChatFormat(ResponseFormat):
+class ChatWriter(ResponseWriter):
     """Chat completions; with an ``output`` parser, each choice's text is read as
     reasoning, content and tool calls (gateway/openai/output_parsing.py)."""
 
@@ -179,7 +179,7 @@ class ChatFormat(ResponseFormat):
         return output
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionWriter(ResponseWriter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 

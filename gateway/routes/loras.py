@@ -29,7 +29,7 @@ from gateway.control.lora_service import LoraService, Registered
 from gateway.control.records import Scope
 from gateway.state import GatewayState, StateDep
 from shared.errors import DatabaseUnavailable, InvalidRequest
-from shared.queue.lora_registry import AdapterSpec, Rollout
+from shared.queue.lora_registry import LoraSpec, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class VllmUnloadBody(BaseModel):
 @router.post("/admin/loras")
 async def add_lora(body: LoraBody, state: StateDep, loras: LoraDep) -> dict[str, Any]:
     """Answers once a live worker has it loaded; else 400/404/409/503, nothing registered."""
-    spec = AdapterSpec(name=body.name, path=body.path, base_model=_base(state, body.base_model))
+    spec = LoraSpec(name=body.name, path=body.path, base_model=_base(state, body.base_model))
     async with _refreshed_after(state):
         rollout = await loras.register(spec)
     return _added(spec, rollout)
@@ -95,7 +95,7 @@ async def list_loras(loras: LoraDep) -> dict[str, Any]:
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def vllm_load(body: VllmLoadBody, state: StateDep, loras: LoraDep) -> str:
-    spec = AdapterSpec(
+    spec = LoraSpec(
         name=body.lora_name, path=body.lora_path, base_model=_base(state, body.base_model)
     )
     async with _refreshed_after(state):
@@ -143,7 +143,7 @@ async def _refresh(state: GatewayState) -> None:
         log.warning("refreshing the adapter catalog failed: %s", exc)
 
 
-def _added(spec: AdapterSpec, rollout: Rollout) -> dict[str, Any]:
+def _added(spec: LoraSpec, rollout: Rollout) -> dict[str, Any]:
     return {
         "object": "lora_adapter",
         "name": spec.name,

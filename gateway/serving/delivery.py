@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch.request_handle import RequestHandle
-from gateway.openai.responses import ChoiceState, Json, ResponseFormat, Usage
+from gateway.openai.responses import ChoiceState, Json, ResponseWriter, Usage
 from shared.errors import ConveyorError, RemoteError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 
@@ -59,7 +59,7 @@ def sse_data(body: Json, event_id: str | None = None) -> str:
 
 async def stream_events(
     handle: RequestHandle,
-    fmt: ResponseFormat,
+    fmt: ResponseWriter,
     *,
     indices: list[int],
     choices_per_prompt: int,
@@ -113,7 +113,7 @@ async def stream_events(
 
 
 async def collect_response(
-    handle: RequestHandle, fmt: ResponseFormat, *, indices: list[int], choices_per_prompt: int
+    handle: RequestHandle, fmt: ResponseWriter, *, indices: list[int], choices_per_prompt: int
 ) -> Json:
     """The whole non-streaming response; raises the first sequence error."""
     states = {index: ChoiceState(index) for index in indices}

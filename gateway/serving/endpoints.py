@@ -41,7 +41,7 @@ from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, 
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
 from gateway.openai.output_parsing import OutputParser
-from gateway.openai.responses import ChatFormat, CompletionFormat, Json, ResponseFormat
+from gateway.openai.responses import ChatWriter, CompletionWriter, Json, ResponseWriter
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,7 +83,7 @@ async def chat_completions(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan, parser = await plan_chat(state, body, headers)
-    fmt = ChatFormat(
+    fmt = ChatWriter(
         plan.request_id,
         plan.model,
         with_logprobs=body.logprobs,
@@ -97,7 +97,7 @@ async def completions(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan = await plan_completion(state, body, headers)
-    fmt = CompletionFormat(
+    fmt = CompletionWriter(
         plan.request_id,
         plan.model,
         with_logprobs=body.logprobs is not None,
@@ -222,7 +222,7 @@ async def _generate(
     state: GatewayState,
     plan: RequestPlan[Generation],
     body: SamplingFields,
-    fmt: ResponseFormat,
+    fmt: ResponseWriter,
     receive: Receive,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]

@@ -3,7 +3,7 @@
 A restart of Redis takes about a second, a ``DEBUG SLEEP`` stall a few. Calls that
 must land (a journal write, an admission, a cancel) go through :func:`retry`, which
 tries again with :class:`Backoff` for a bounded time and then raises. Loops that run
-for the life of the process (reading a job or reply stream, the control channel)
+for the life of the process (reading a job or reply stream, the command channel)
 keep one :class:`Backoff` and wait on it after each failure, resetting it after a
 success.
 """

@@ -3,7 +3,7 @@
 SQL is the truth (the gateway's registry); Redis carries it to workers, who never open
 a database. Per base model (the served name of the model the adapters were made for):
 
-* ``names.adapters_desired(base)``: a hash, adapter name -> :class:`AdapterSpec`
+* ``names.adapters_desired(base)``: a hash, adapter name -> :class:`LoraSpec`
   (versioned MessagePack), the adapters every worker of ``base`` must load;
 * ``names.adapters_generation(base)``: a counter bumped in the same ``MULTI`` as every
   write of the hash (:func:`publish_desired`). Workers poll it (every
@@ -43,8 +43,8 @@ __all__ = [
     "LOADED",
     "LOADING",
     "UNLOADING",
-    "AdapterSpec",
-    "DesiredAdapters",
+    "DesiredLoras",
+    "LoraSpec",
     "Rollout",
     "adapter_stream",
     "failed",
@@ -76,7 +76,7 @@ SERVING_ROLE: Final = Role.AGGREGATED
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}")
 
 
-class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class LoraSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One registered adapter. A map with defaults omitted: a new field takes a default,
     so specs written before it still decode (no version bump)."""
 
@@ -89,9 +89,9 @@ class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
 
 @dataclass(frozen=True, slots=True)
-class DesiredAdapters:
+class DesiredLoras:
     generation: int
-    specs: Mapping[str, AdapterSpec]
+    specs: Mapping[str, LoraSpec]
     undecodable: tuple[str, ...] = ()
     """Hash fields whose value this version cannot read (a newer writer, or garbage)."""
 
@@ -113,14 +113,14 @@ def adapter_stream(name: str) -> str:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AdapterSpec)
+_decoder = msgspec.msgpack.Decoder(LoraSpec)
 
 
-def encode_spec(spec: AdapterSpec) -> bytes:
+def encode_spec(spec: LoraSpec) -> bytes:
     return _VERSION_PREFIX + _encoder.encode(spec)
 
 
-def decode_spec(data: bytes) -> AdapterSpec:
+def decode_spec(data: bytes) -> LoraSpec:
     """Raises ``ValueError`` for another version or a payload that is not a spec."""
     if not data.startswith(_VERSION_PREFIX):
         raise ValueError(f"unsupported adapter spec version {data.partition(b':')[0]!r}")
@@ -130,9 +130,7 @@ def decode_spec(data: bytes) -> AdapterSpec:
         raise ValueError(str(exc)) from exc
 
 
-async def publish_desired(
-    redis: aioredis.Redis, base_model: str, specs: Iterable[AdapterSpec]
-) -> int:
+async def publish_desired(redis: aioredis.Redis, base_model: str, specs: Iterable[LoraSpec]) -> int:
     """Replace the desired adapters of ``base_model`` (all of them, atomically) and bump
     the generation; returns the new generation. Raises ``ValueError`` for a spec of
     another base model, a bad name, or a name given twice."""
@@ -161,7 +159,7 @@ async def desired_generation(redis: aioredis.Redis, base_model: str) -> int | No
     return None if value is None else int(value)
 
 
-async def read_desired(redis: aioredis.Redis, base_model: str) -> DesiredAdapters | None:
+async def read_desired(redis: aioredis.Redis, base_model: str) -> DesiredLoras | None:
     """The desired adapters of ``base_model`` with their generation, read atomically;
     None when the desired state is unknown (nothing published, or lost)."""
     async with redis.pipeline(transaction=True) as pipe:
@@ -170,7 +168,7 @@ async def read_desired(redis: aioredis.Redis, base_model: str) -> DesiredAdapter
         generation, raw = await pipe.execute()
     if generation is None:
         return None
-    specs: dict[str, AdapterSpec] = {}
+    specs: dict[str, LoraSpec] = {}
     bad: list[str] = []
     for field, value in (raw or {}).items():
         name = field.decode(errors="replace") if isinstance(field, bytes) else str(field)
@@ -183,7 +181,7 @@ async def read_desired(redis: aioredis.Redis, base_model: str) -> DesiredAdapter
             specs[name] = spec
         else:
             bad.append(name)
-    return DesiredAdapters(int(generation), specs, tuple(sorted(bad)))
+    return DesiredLoras(int(generation), specs, tuple(sorted(bad)))
 
 
 # ------------------------------------------------------------------ worker reports

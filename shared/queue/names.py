@@ -9,13 +9,13 @@ PREFIX = "conveyor"
 JOB_GROUP = "workers"
 """Consumer group every job stream has."""
 
-CONTROL_CHANNEL = f"{PREFIX}:control"
-"""Pub/sub channel carrying control commands (cancel) to every worker (db 0)."""
+COMMAND_CHANNEL = f"{PREFIX}:commands"
+"""Pub/sub channel carrying commands (cancel) to every worker (db 0)."""
 
 
-def control_channel(db: int) -> str:
+def command_channel(db: int) -> str:
     """Pub/sub channels are server-wide, not per db: keep deployments on other dbs apart."""
-    return CONTROL_CHANNEL if db == 0 else f"{CONTROL_CHANNEL}:{db}"
+    return COMMAND_CHANNEL if db == 0 else f"{COMMAND_CHANNEL}:{db}"
 
 
 def job_stream(model: str, role: Role) -> str:
@@ -97,7 +97,7 @@ def image_embedding(model: str, digest: str) -> str:
 
 
 def adapters_desired(base_model: str) -> str:
-    """Hash: LoRA adapter name -> its AdapterSpec, the adapters every worker of
+    """Hash: LoRA adapter name -> its LoraSpec, the adapters every worker of
     ``base_model`` must load (written from SQL by the gateway; see
     shared/queue/lora_registry.py)."""
     return f"{PREFIX}:adapters:{base_model}"

@@ -2,7 +2,7 @@
 
 The sender (the gateway's ``/admin/workers/{id}/...`` routes) calls
 :func:`send_worker_command`: it publishes a :class:`~shared.protocol.WorkerCommand`
-on the control channel (every worker listens; only the named one acts) and waits on
+on the command channel (every worker listens; only the named one acts) and waits on
 ``names.command_reply(command_id)`` for the worker's
 :class:`~shared.protocol.WorkerCommandResult`, which the worker pushes there with
 :func:`answer` (the list expires after ``REPLY_TTL_S``). Pub/sub may drop a message
@@ -76,7 +76,7 @@ async def send_worker_command(
         )
     message = WorkerCommand(command_id, worker_id, str(command), float(timeout_s))
     reply_key = names.command_reply(command_id)
-    await redis.publish(names.control_channel(db_of(redis)), encode_bytes(message))
+    await redis.publish(names.command_channel(db_of(redis)), encode_bytes(message))
     deadline = time.monotonic() + timeout_s
     while (left_s := deadline - time.monotonic()) > 0:
         block_s = min(left_s, MAX_BLOCK_MS / 1000)

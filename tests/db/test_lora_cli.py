@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from conveyor.cli import main
 from shared.queue import names
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
+from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
 from tests.support.sql import SqlTarget
 
 pytestmark = pytest.mark.redis
@@ -48,7 +48,7 @@ def fake_worker() -> Iterator[None]:
 
     async def serve() -> None:
         client = aioredis.Redis.from_url(REAL_REDIS_URL)
-        worker = FakeAdapterWorker(client, "tiny")
+        worker = FakeLoraWorker(client, "tiny")
         await worker.start()
         started.set()
         try:

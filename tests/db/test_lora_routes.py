@@ -19,7 +19,7 @@ from gateway.db.engine import Database, transaction
 from shared.queue import names
 from shared.queue.lora_registry import adapter_stream, read_desired
 from shared.roles import Role
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
+from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
 from tests.gateway.harness import CHAT, EMBED_MODEL, LiveGateway, error_of, live_gateway
 from tests.support.sql import SqlTarget
 
@@ -53,8 +53,8 @@ def live_bases(live: LiveGateway) -> Any:
 
 
 @pytest.fixture
-async def worker(gateway: LiveGateway) -> AsyncIterator[FakeAdapterWorker]:
-    fake = FakeAdapterWorker(gateway.redis, "tiny")
+async def worker(gateway: LiveGateway) -> AsyncIterator[FakeLoraWorker]:
+    fake = FakeLoraWorker(gateway.redis, "tiny")
     await fake.start()
     await gateway.state.cells.home.directory.refresh()
     try:
@@ -98,7 +98,7 @@ async def assert_nothing_registered(live: LiveGateway) -> None:
 
 
 async def test_an_adapter_is_loaded_listed_and_served_on_its_own_stream(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     response = await add(gateway, "a1", adapter_dir)
     assert response.status_code == 200, response.text
@@ -123,7 +123,7 @@ async def test_an_adapter_is_loaded_listed_and_served_on_its_own_stream(
 
 
 async def test_the_same_spec_again_is_a_no_op_another_is_a_conflict(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path, tmp_path: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path, tmp_path: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
     again = await add(gateway, "a1", adapter_dir)
@@ -134,7 +134,7 @@ async def test_the_same_spec_again_is_a_no_op_another_is_a_conflict(
 
 
 async def test_a_load_every_worker_refuses_is_a_400_with_nothing_registered(
-    gateway: LiveGateway, worker: FakeAdapterWorker, tmp_path: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, tmp_path: Path
 ) -> None:
     missing = error_of(await add(gateway, "gone", tmp_path / "never-written"), 400)
     assert missing["code"] == "adapter_load_failed" and missing["param"] == "path"
@@ -149,7 +149,7 @@ async def test_a_load_every_worker_refuses_is_a_400_with_nothing_registered(
 
 
 async def test_bad_input_is_refused_before_anything_is_registered(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     cases = [
         ({"name": "bad name!"}, 400, "name"),
@@ -176,7 +176,7 @@ async def test_without_a_worker_of_the_base_it_is_a_503_and_nothing_registered(
 
 
 async def test_a_load_no_worker_finishes_in_time_is_rolled_back(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     await worker.freeze()
     assert error_of(await add(gateway, "a1", adapter_dir), 503)["code"] == "adapter_load_timeout"
@@ -185,7 +185,7 @@ async def test_a_load_no_worker_finishes_in_time_is_rolled_back(
 
 
 async def test_removed_adapters_are_404_at_once(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
     removed = await gateway.client.delete("/admin/loras/a1", headers=ADMIN)
@@ -200,7 +200,7 @@ async def test_removed_adapters_are_404_at_once(
 
 
 async def test_vllm_load_and_unload_bodies(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     body = {"lora_name": "a1", "lora_path": str(adapter_dir)}
     loaded = await gateway.client.post("/v1/load_lora_adapter", json=body, headers=ADMIN)
@@ -219,7 +219,7 @@ async def test_vllm_load_and_unload_bodies(
 
 
 async def test_admin_scope_and_model_allow_lists(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
     await gateway.state.cells.home.directory.refresh()
@@ -254,7 +254,7 @@ async def forget_desired_state(live: LiveGateway) -> None:
 
 
 async def test_the_registry_survives_a_gateway_restart_and_a_redis_that_lost_it(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
     await forget_desired_state(gateway)  # Redis lost it; SQL is the truth
@@ -276,7 +276,7 @@ async def test_the_registry_survives_a_gateway_restart_and_a_redis_that_lost_it(
 
 
 async def test_an_adapter_not_loaded_anywhere_is_a_503(
-    gateway: LiveGateway, worker: FakeAdapterWorker, adapter_dir: Path
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path
 ) -> None:
     assert (await add(gateway, "a1", adapter_dir)).status_code == 200
     await worker.freeze({"a1": "unloading"})
@@ -287,7 +287,7 @@ async def test_an_adapter_not_loaded_anywhere_is_a_503(
 
 
 async def test_worker_admin_commands_map_to_statuses(
-    gateway: LiveGateway, worker: FakeAdapterWorker
+    gateway: LiveGateway, worker: FakeLoraWorker
 ) -> None:
     worker.answers = {
         "drain": ("ok", "draining"),

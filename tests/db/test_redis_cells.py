@@ -24,7 +24,7 @@ from shared.settings import Settings
 from tests.contract.test_run_journal import STREAM, make_job
 from tests.db.test_ledger import rows
 from tests.db.test_lora_routes import ADMIN, ADMIN_KEY
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeAdapterWorker
+from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
 from tests.gateway.harness import CHAT, EMBED_MODEL, USER, live_gateway
 from tests.support.sql import SqlTarget
 
@@ -118,7 +118,7 @@ async def test_an_adapter_of_a_model_on_its_own_redis_is_published_and_served_th
         await plane.start()
         live.state.control = plane
         shard = cells.for_model("tiny").redis
-        worker = FakeAdapterWorker(shard, "tiny")  # the model's worker: only its own Redis
+        worker = FakeLoraWorker(shard, "tiny")  # the model's worker: only its own Redis
         await worker.start()
         await cells.for_model("tiny").directory.refresh()
         try:

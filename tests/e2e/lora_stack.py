@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from shared.demo.lora import write_demo_lora
 from shared.queue import names
 from shared.queue.liveness import WorkerRegistration
-from shared.queue.lora_registry import AdapterSpec, publish_desired
+from shared.queue.lora_registry import LoraSpec, publish_desired
 from tests.e2e.stack import Process, Stack, run_offline
 
 MODEL = "tiny"
@@ -57,7 +57,7 @@ WORKER_ENV = {
 @dataclass
 class LoraStack:
     stack: Stack
-    specs: dict[str, AdapterSpec]
+    specs: dict[str, LoraSpec]
     reference: dict[str, list[list[int]]]
     workers: list[Process] = field(default_factory=list)
 
@@ -66,7 +66,7 @@ class LoraStack:
         return self.workers[-1]
 
 
-def publish(specs: list[AdapterSpec]) -> int:
+def publish(specs: list[LoraSpec]) -> int:
     async def run() -> int:
         client = aioredis.Redis.from_url(LORA_REDIS_URL)
         try:
@@ -136,8 +136,7 @@ def lora_session(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     paths = write_adapters(tmp_path_factory.mktemp("adapters"), demo_model)
     reference = offline_reference(demo_model, {name: paths[name] for name in GOOD})
     specs = {
-        name: AdapterSpec(name=name, path=str(path), base_model=MODEL)
-        for name, path in paths.items()
+        name: LoraSpec(name=name, path=str(path), base_model=MODEL) for name, path in paths.items()
     }
     publish(list(specs.values()))
     stack = Stack(demo_model, MODEL, LORA_REDIS_URL, tmp_path_factory.mktemp("logs"))

@@ -29,7 +29,7 @@ from tests.gateway.fake_worker import FakeWorker, echo
 WORKER_ID = "aggregated-fake-lora-1"
 
 
-class FakeAdapterWorker:
+class FakeLoraWorker:
     def __init__(self, redis: aioredis.Redis, model: str, *, tick_s: float = 0.02) -> None:
         self._redis = redis
         self._model = model
@@ -99,7 +99,7 @@ class FakeAdapterWorker:
 
     async def _commands(self) -> None:
         pubsub = self._redis.pubsub()
-        await pubsub.subscribe(names.control_channel(db_of(self._redis)))
+        await pubsub.subscribe(names.command_channel(db_of(self._redis)))
         try:
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)

@@ -1,5 +1,5 @@
 """A client that leaves gets its request cancelled on the workers (the cancel flag and a
-CancelCommand on the control channel) and leaves nothing open in the gateway."""
+CancelCommand on the command channel) and leaves nothing open in the gateway."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ async def endless(job: Job) -> AsyncIterator[Sequence[Event]]:
 @pytest.fixture
 async def control(gateway: LiveGateway) -> AsyncIterator[PubSub]:
     pubsub = gateway.redis.pubsub()
-    await pubsub.subscribe(names.control_channel(db_of(gateway.redis)))
+    await pubsub.subscribe(names.command_channel(db_of(gateway.redis)))
     await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
     yield pubsub
     await pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -39,7 +39,7 @@ async def control(gateway: LiveGateway) -> AsyncIterator[PubSub]:
 async def assert_cancelled(gateway: LiveGateway, control: PubSub, request_id: str) -> None:
     """The workers were told: the flag a dequeue checks, and the command running jobs get."""
     message = await control.get_message(ignore_subscribe_messages=True, timeout=2.0)
-    assert message is not None, "no CancelCommand on the control channel"
+    assert message is not None, "no CancelCommand on the command channel"
     assert decode_bytes(message["data"]) == CancelCommand(request_id)
     assert await gateway.redis.get(names.cancel_flag(request_id)) == b"1"
 

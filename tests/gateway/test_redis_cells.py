@@ -105,7 +105,7 @@ async def test_a_cancel_goes_to_the_redis_of_the_request(
     target, other = (two.shard, two.home) if on_shard else (two.home, two.shard)
     listener = two.client(target)
     control = listener.pubsub()
-    await control.subscribe(names.control_channel(db_of(listener)))
+    await control.subscribe(names.command_channel(db_of(listener)))
     await control.get_message(timeout=1.0)
 
     async def queued() -> bool:

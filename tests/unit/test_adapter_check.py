@@ -10,7 +10,7 @@ import pytest
 
 from shared.demo.lora import MARKER_FILE, RANK, write_demo_lora
 from shared.peft_layout import TARGET_MODULES, LlamaShapes
-from workers.engines.base import AdapterLoadError
+from workers.engines.base import LoraLoadError
 from workers.engines.lora.check import check_adapter
 
 CONFIG = {
@@ -123,7 +123,7 @@ def test_bad_adapters_are_refused_with_a_reason(
             "dora": {"use_dora": True},
         }[damage]
         config_file.write_text(json.dumps({**config, **changes}))
-    with pytest.raises(AdapterLoadError, match=reason):
+    with pytest.raises(LoraLoadError, match=reason):
         check_adapter(path, max_rank=8, model=shapes())
 
 
@@ -139,7 +139,7 @@ def test_an_adapter_for_another_base_is_refused(
     tmp_path: Path, changes: dict[str, int], reason: str
 ) -> None:
     other = write_demo_lora(tmp_path / "other", base=model_folder(tmp_path / "m", **changes))
-    with pytest.raises(AdapterLoadError, match=f"made for another model.*{reason}"):
+    with pytest.raises(LoraLoadError, match=f"made for another model.*{reason}"):
         check_adapter(str(other), max_rank=8, model=shapes())
     check_adapter(str(other), max_rank=8, model=None)  # unknown architecture: left to the engine
 

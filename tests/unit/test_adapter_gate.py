@@ -9,13 +9,13 @@ import contextlib
 import pytest
 
 from tests.waiting import eventually
-from workers.engines.lora.gate import AdapterClosed, AdapterGate
+from workers.engines.lora.gate import LoraClosed, LoraGate
 
 
 class Holders:
     """Sequences holding the gate until released, each in its own task."""
 
-    def __init__(self, gate: AdapterGate) -> None:
+    def __init__(self, gate: LoraGate) -> None:
         self.gate = gate
         self.entered: list[str] = []
         self._release: dict[int, asyncio.Event] = {}
@@ -43,7 +43,7 @@ async def settle() -> None:
 
 
 async def test_a_third_adapter_waits_for_a_free_slot() -> None:
-    gate = AdapterGate(2)
+    gate = LoraGate(2)
     h = Holders(gate)
     a, _, _ = h.start("a"), h.start("b"), h.start("a")
     c = h.start("c")
@@ -68,7 +68,7 @@ async def _true(value: bool) -> bool:
 
 async def test_waiting_is_first_come_first_served() -> None:
     """A running adapter's new sequence queues behind one waiting for a slot."""
-    gate = AdapterGate(1)
+    gate = LoraGate(1)
     h = Holders(gate)
     first = h.start("a")
     h.start("b")
@@ -84,7 +84,7 @@ async def test_waiting_is_first_come_first_served() -> None:
 
 
 async def test_base_sequences_never_wait() -> None:
-    gate = AdapterGate(1)
+    gate = LoraGate(1)
     h = Holders(gate)
     h.start("a")
     h.start("b")
@@ -98,16 +98,16 @@ async def test_base_sequences_never_wait() -> None:
 
 
 async def test_a_closed_adapter_refuses_new_and_waiting_sequences_and_idles() -> None:
-    gate = AdapterGate(1)
+    gate = LoraGate(1)
     h = Holders(gate)
     running = h.start("a")
     waiting = h.start("b")
     await settle()
     gate.close("b")
-    with pytest.raises(AdapterClosed):
+    with pytest.raises(LoraClosed):
         await h.tasks[waiting]
     gate.close("a")
-    with pytest.raises(AdapterClosed):
+    with pytest.raises(LoraClosed):
         async with gate.hold("a"):
             pass
     idle = asyncio.create_task(gate.idle("a"))
@@ -121,7 +121,7 @@ async def test_a_closed_adapter_refuses_new_and_waiting_sequences_and_idles() ->
 
 
 async def test_a_cancelled_waiter_leaves_no_trace() -> None:
-    gate = AdapterGate(1)
+    gate = LoraGate(1)
     h = Holders(gate)
     h.start("a")
     h.start("b")
@@ -137,7 +137,7 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
 
 
 async def test_many_sequences_never_exceed_the_limit() -> None:
-    gate = AdapterGate(3)
+    gate = LoraGate(3)
     peak = 0
 
     async def sequence(name: str) -> None:

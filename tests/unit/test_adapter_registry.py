@@ -20,7 +20,7 @@ from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.queue.lora_registry import (
     LOADED,
     LOADING,
-    AdapterSpec,
+    LoraSpec,
     adapter_stream,
     decode_spec,
     desired_generation,
@@ -38,11 +38,11 @@ from shared.roles import Role
 
 BASE = "tiny"
 lora_names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,40}", fullmatch=True)
-specs = st.builds(AdapterSpec, name=lora_names, path=st.text(max_size=60), base_model=st.text())
+specs = st.builds(LoraSpec, name=lora_names, path=st.text(max_size=60), base_model=st.text())
 
 
 @given(specs)
-def test_spec_round_trips(spec: AdapterSpec) -> None:
+def test_spec_round_trips(spec: LoraSpec) -> None:
     assert decode_spec(encode_spec(spec)) == spec
 
 
@@ -66,8 +66,8 @@ async def test_publish_replaces_everything_and_bumps_the_generation(
     redis_backend: aioredis.Redis,
 ) -> None:
     assert await read_desired(redis_backend, BASE) is None  # unknown, not "empty"
-    a = AdapterSpec(name="a", path="/x/a", base_model=BASE)
-    b = AdapterSpec(name="b", path="/x/b", base_model=BASE)
+    a = LoraSpec(name="a", path="/x/a", base_model=BASE)
+    b = LoraSpec(name="b", path="/x/b", base_model=BASE)
     assert await publish_desired(redis_backend, BASE, [a, b]) == 1
     desired = await read_desired(redis_backend, BASE)
     assert desired is not None
@@ -83,11 +83,11 @@ async def test_publish_replaces_everything_and_bumps_the_generation(
 
 
 async def test_publish_refuses_a_bad_set_and_writes_nothing(redis_backend: aioredis.Redis) -> None:
-    good = AdapterSpec(name="a", path="/x/a", base_model=BASE)
+    good = LoraSpec(name="a", path="/x/a", base_model=BASE)
     for bad in (
-        [good, AdapterSpec(name="b", path="/x", base_model="elsewhere")],
+        [good, LoraSpec(name="b", path="/x", base_model="elsewhere")],
         [good, good],
-        [AdapterSpec(name="bad name", path="/x", base_model=BASE)],
+        [LoraSpec(name="bad name", path="/x", base_model=BASE)],
     ):
         with pytest.raises(ValueError):
             await publish_desired(redis_backend, BASE, bad)
@@ -97,7 +97,7 @@ async def test_publish_refuses_a_bad_set_and_writes_nothing(redis_backend: aiore
 async def test_concurrent_publishes_never_mix(redis_backend: aioredis.Redis) -> None:
     """Each publish is one MULTI: a reader sees one whole set, never a blend."""
     sets = [
-        [AdapterSpec(name=f"s{i}-{j}", path="/p", base_model=BASE) for j in range(5)]
+        [LoraSpec(name=f"s{i}-{j}", path="/p", base_model=BASE) for j in range(5)]
         for i in range(20)
     ]
     await asyncio.gather(*(publish_desired(redis_backend, BASE, s) for s in sets))
@@ -107,13 +107,13 @@ async def test_concurrent_publishes_never_mix(redis_backend: aioredis.Redis) -> 
 
 
 async def test_unreadable_entries_are_named_not_fatal(redis_backend: aioredis.Redis) -> None:
-    good = AdapterSpec(name="a", path="/x/a", base_model=BASE)
+    good = LoraSpec(name="a", path="/x/a", base_model=BASE)
     await publish_desired(redis_backend, BASE, [good])
     await redis_backend.hset(
         names.adapters_desired(BASE),
         mapping={  # type: ignore[misc]
             "future": b"9:whatever",
-            "renamed": encode_spec(AdapterSpec(name="other", path="/x", base_model=BASE)),
+            "renamed": encode_spec(LoraSpec(name="other", path="/x", base_model=BASE)),
         },
     )
     desired = await read_desired(redis_backend, BASE)

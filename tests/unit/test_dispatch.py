@@ -25,7 +25,7 @@ def dispatcher(retry_s: float) -> Dispatcher:
         AdmissionPolicy(
             queue_max_depth=10,
             idempotency_ttl_s=60,
-            min_prefill_tokens=128,
+            disagg_min_prompt_tokens=128,
             admission_retry_s=retry_s,
         ),
     )

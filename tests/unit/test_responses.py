@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.openai.responses import ChatFormat, ChoiceState, CompletionFormat, Usage
+from gateway.openai.responses import ChatWriter, ChoiceState, CompletionWriter, Usage
 from shared.protocol import FinishEvent, TokenEvent, TokenLogprob, TopLogprob
 
 ENVELOPE_KEYS = {"id", "object", "created", "model", "choices"}
@@ -38,7 +38,7 @@ def assert_json_serializable(body: Any) -> None:
 
 
 def test_chat_stream_chunks() -> None:
-    fmt = ChatFormat("chatcmpl-1", "tiny", with_logprobs=False)
+    fmt = ChatWriter("chatcmpl-1", "tiny", with_logprobs=False)
     start = fmt.start_chunk(0)
     assert set(start) == ENVELOPE_KEYS
     assert start["object"] == "chat.completion.chunk"
@@ -71,7 +71,7 @@ def test_chat_stream_chunks() -> None:
 
 
 def test_chat_usage_chunk_has_empty_choices() -> None:
-    fmt = ChatFormat("chatcmpl-1", "tiny", with_logprobs=False)
+    fmt = ChatWriter("chatcmpl-1", "tiny", with_logprobs=False)
     usage = Usage(1)
     usage.add(fin(0, prompt=5, completion=3))
     body = fmt.usage_chunk(usage)
@@ -81,7 +81,7 @@ def test_chat_usage_chunk_has_empty_choices() -> None:
 
 
 def test_chat_final_response() -> None:
-    fmt = ChatFormat("chatcmpl-1", "tiny", with_logprobs=False)
+    fmt = ChatWriter("chatcmpl-1", "tiny", with_logprobs=False)
     first = ChoiceState(0, text=["Hel", "lo"], finish_reason="stop")
     second = ChoiceState(1, text=[], finish_reason="length")
     usage = Usage(2)
@@ -109,7 +109,7 @@ def test_chat_final_response() -> None:
 
 
 def test_chat_logprobs_format() -> None:
-    fmt = ChatFormat("c", "tiny", with_logprobs=True)
+    fmt = ChatWriter("c", "tiny", with_logprobs=True)
     tokens = [lp("Hé", -0.1, ("Hé", -0.1), ("Ha", -2.5)), lp("!", -0.7)]
     delta = fmt.delta_chunk(tok("Hé!", logprobs=tokens))
     logprobs = delta["choices"][0]["logprobs"]
@@ -138,7 +138,7 @@ def test_chat_logprobs_format() -> None:
 
 
 def test_chat_without_logprobs_ignores_event_logprobs() -> None:
-    fmt = ChatFormat("c", "tiny", with_logprobs=False)
+    fmt = ChatWriter("c", "tiny", with_logprobs=False)
     delta = fmt.delta_chunk(tok("x", logprobs=[lp("x", -1.0)]))
     assert delta["choices"][0]["logprobs"] is None
 
@@ -147,7 +147,7 @@ def test_chat_without_logprobs_ignores_event_logprobs() -> None:
 
 
 def test_completion_stream_chunks() -> None:
-    fmt = CompletionFormat("cmpl-1", "tiny", with_logprobs=False)
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=False)
     assert fmt.start_chunk(0) is None  # text completions have no role chunk
     delta = fmt.delta_chunk(tok("abc", index=1))
     assert set(delta) == ENVELOPE_KEYS
@@ -166,7 +166,7 @@ def test_completion_stream_chunks() -> None:
 
 
 def test_completion_final_response_and_logprobs() -> None:
-    fmt = CompletionFormat("cmpl-1", "tiny", with_logprobs=True)
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True)
     tokens = [lp("Hi", -0.2, ("Hi", -0.2), ("Ho", -1.9)), lp(" there", -0.4, (" there", -0.4))]
     choice = ChoiceState(0, ["Hi", " there"], tokens, finish_reason="length")
     body = fmt.response([choice], Usage(1))
@@ -185,7 +185,7 @@ def test_completion_final_response_and_logprobs() -> None:
 
 
 def test_completion_logprobs_off() -> None:
-    fmt = CompletionFormat("cmpl-1", "tiny", with_logprobs=False)
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=False)
     body = fmt.response([ChoiceState(0, ["x"], [lp("x", -1.0)], finish_reason="stop")], Usage(1))
     assert body["choices"][0]["logprobs"] is None
 
@@ -212,7 +212,7 @@ def test_usage_of_a_partly_finished_request() -> None:
     assert usage.as_json() == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
 
-@pytest.mark.parametrize("fmt_class", [ChatFormat, CompletionFormat])
+@pytest.mark.parametrize("fmt_class", [ChatWriter, CompletionWriter])
 def test_token_ids_extension(fmt_class: Any) -> None:
     fmt = fmt_class("x", "tiny", with_logprobs=False, with_token_ids=True)
     event = TokenEvent("r", 0, 0, 0, [5, 6], "ab")
@@ -225,7 +225,7 @@ def test_token_ids_extension(fmt_class: Any) -> None:
 
 def test_streamed_text_offset_is_cumulative() -> None:
     """Streamed text_offset counts from the start of the choice, like the final response."""
-    fmt = CompletionFormat("cmpl-1", "tiny", with_logprobs=True)
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True)
     first = fmt.delta_chunk(tok("Hi", seq=0, logprobs=[lp("Hi", -0.2)]))
     second = fmt.delta_chunk(tok(" there", seq=1, logprobs=[lp(" there", -0.4)]))
     offsets = [
@@ -239,7 +239,7 @@ def test_streamed_text_offset_is_cumulative() -> None:
 
 
 def test_streamed_text_offset_is_per_choice_and_spans_multi_token_chunks() -> None:
-    fmt = CompletionFormat("cmpl-1", "tiny", with_logprobs=True)
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True)
 
     def offsets(event: TokenEvent) -> list[int]:
         return fmt.delta_chunk(event)["choices"][0]["logprobs"]["text_offset"]  # type: ignore[no-any-return]
@@ -252,6 +252,6 @@ def test_streamed_text_offset_is_per_choice_and_spans_multi_token_chunks() -> No
     fmt.delta_chunk(tok("fg", index=0, seq=2, logprobs=[]))
     assert offsets(tok("h", index=0, seq=3, logprobs=[lp("h", -1)])) == [7]
     # A new format (a new request) starts from 0 again.
-    fresh = CompletionFormat("cmpl-2", "tiny", with_logprobs=True)
+    fresh = CompletionWriter("cmpl-2", "tiny", with_logprobs=True)
     chunk = fresh.delta_chunk(tok("q", logprobs=[lp("q", -1)]))
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0]

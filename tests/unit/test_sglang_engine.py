@@ -1,9 +1,9 @@
-"""The SGLang adapter against a recorded fake of SGLang's ``Engine`` API.
+"""The SGLang engine against a recorded fake of SGLang's ``Engine`` API.
 
 SGLang needs a GPU and must not be installed here, so :class:`FakeSglangEngine`
 replays the dicts ``Engine.async_generate(..., stream=True)`` yields, recorded
 from SGLang's source in ``fixtures/sglang_recorded.json``, and mimics the parts of
-``TokenizerManager`` the adapter touches: ``abort_request`` ignores rids it no
+``TokenizerManager`` the engine touches: ``abort_request`` ignores rids it no
 longer holds, ``rid_to_state`` is filled on the first ``__anext__`` and emptied on
 finish or close, unknown keyword arguments are rejected, and a few validation
 errors are raised with SGLang's own messages. Prefill and decode fakes meet in a
@@ -114,7 +114,7 @@ NETWORK: dict[tuple[str, int], FakeBootstrapServer] = {}
 
 
 class FakeSglangEngine:
-    """``sglang.Engine`` as the adapter sees it: ``async_generate``, ``tokenizer_manager``,
+    """``sglang.Engine`` as Conveyor's engine sees it: ``async_generate``, ``tokenizer_manager``,
     ``server_args``, ``get_all_child_pids``, ``shutdown``."""
 
     def __init__(
@@ -154,7 +154,7 @@ class FakeSglangEngine:
         for name in kwargs:
             if name not in allowed:
                 raise TypeError(f"async_generate() got an unexpected keyword argument '{name}'")
-        assert kwargs.get("stream") is True, "the adapter must stream"
+        assert kwargs.get("stream") is True, "the engine must stream"
         self.calls.append(copy.deepcopy(kwargs))
         scenario = self.next_scenarios.popleft() if self.next_scenarios else self.scenario
         # Engine.async_generate returns TokenizerManager.generate_request(obj): nothing runs

@@ -1,4 +1,4 @@
-"""The vLLM adapter's translation, against vLLM's own classes (workers/engines/vllm/engine.py):
+"""The vLLM engine's translation, against vLLM's own classes (workers/engines/vllm/engine.py):
 SamplingOptions -> SamplingParams, job prompt + images -> TokensPrompt, RequestOutput ->
 StepOutput, and every vLLM exception -> the Conveyor error tree. No engine starts; this is
 the one test module that imports vllm (about 10 s)."""

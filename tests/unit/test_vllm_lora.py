@@ -1,4 +1,4 @@
-"""VllmAdapters against a scripted AsyncLLM: the order of the slot reservation, what a
+"""VllmLoras against a scripted AsyncLLM: the order of the slot reservation, what a
 refused load leaves behind, the per-worker limits. (The real engine: tests/e2e/test_lora.py.)"""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from shared.demo.lora import write_demo_lora
 from shared.errors import EngineDead, ModelNotFound
 from shared.settings import Settings
-from workers.engines.base import AdapterLoadError
-from workers.engines.vllm.lora import ZERO_ID, VllmAdapters, engine_args, lora_request
+from workers.engines.base import LoraLoadError
+from workers.engines.vllm.lora import ZERO_ID, VllmLoras, engine_args, lora_request
 
 CONFIG = {
     "hidden_size": 256,
@@ -86,7 +86,7 @@ async def test_the_zero_adapter_is_pinned_in_the_last_slot_before_any_adapter(
     adapter_dirs: dict[str, Path],
 ) -> None:
     llm = FakeLLM()
-    adapters = VllmAdapters(llm, settings())
+    adapters = VllmLoras(llm, settings())
     await adapters.load("a", str(adapter_dirs["a"]))
     fillers = [2**31 - 2, 2**31 - 3]
     assert llm.calls[:6] == [
@@ -107,8 +107,8 @@ async def test_the_zero_adapter_is_pinned_in_the_last_slot_before_any_adapter(
 
 async def test_a_refused_load_leaves_nothing_registered(adapter_dirs: dict[str, Path]) -> None:
     llm = FakeLLM()
-    adapters = VllmAdapters(llm, settings())
-    with pytest.raises(AdapterLoadError, match=r"^The size of tensor a \(256\)"):
+    adapters = VllmLoras(llm, settings())
+    with pytest.raises(LoraLoadError, match=r"^The size of tensor a \(256\)"):
         await adapters.load("x", str(adapter_dirs["explode"]))
     assert llm.registered == {ZERO_ID} and adapters.loaded() == []
     with pytest.raises(ModelNotFound):
@@ -118,13 +118,13 @@ async def test_a_refused_load_leaves_nothing_registered(adapter_dirs: dict[str, 
 
 
 async def test_limits_and_reloads(adapter_dirs: dict[str, Path]) -> None:
-    adapters = VllmAdapters(FakeLLM(), settings())
+    adapters = VllmLoras(FakeLLM(), settings())
     for name in "abc":
         await adapters.load(name, str(adapter_dirs[name]))
     await adapters.load("a", str(adapter_dirs["a"]))  # the same again: nothing to do
-    with pytest.raises(AdapterLoadError, match="maximum of 3 adapters"):
+    with pytest.raises(LoraLoadError, match="maximum of 3 adapters"):
         await adapters.load("d", str(adapter_dirs["d"]))
-    with pytest.raises(AdapterLoadError, match="unload it first"):
+    with pytest.raises(LoraLoadError, match="unload it first"):
         await adapters.load("a", str(adapter_dirs["b"]))
     await adapters.unload("c")
     await adapters.load("d", str(adapter_dirs["d"]))
@@ -135,7 +135,7 @@ async def test_unload_waits_for_running_sequences_and_refuses_new_ones(
     adapter_dirs: dict[str, Path],
 ) -> None:
     llm = FakeLLM()
-    adapters = VllmAdapters(llm, settings())
+    adapters = VllmLoras(llm, settings())
     await adapters.load("a", str(adapter_dirs["a"]))
     lora_id = lora_request(adapters, "a").lora_int_id
     release = asyncio.Event()
@@ -161,7 +161,7 @@ async def test_unload_waits_for_running_sequences_and_refuses_new_ones(
 
 
 async def test_ids_are_stable_across_workers(adapter_dirs: dict[str, Path]) -> None:
-    one, two = VllmAdapters(FakeLLM(), settings()), VllmAdapters(FakeLLM(), settings())
+    one, two = VllmLoras(FakeLLM(), settings()), VllmLoras(FakeLLM(), settings())
     await one.load("a", str(adapter_dirs["a"]))
     await two.load("b", str(adapter_dirs["b"]))
     await two.load("a", str(adapter_dirs["a"]))

@@ -22,7 +22,7 @@ from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.queue.lora_registry import (
     LOADED,
     UNLOADING,
-    AdapterSpec,
+    LoraSpec,
     adapter_stream,
     failure_reason,
     publish_desired,
@@ -31,21 +31,19 @@ from shared.roles import Role
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import MODEL, FakeEngine, Harness, Timing, make_job, worker
 from tests.waiting import eventually
-from workers.commands.lora_sync import AdapterTiming
-from workers.engines.base import AdapterLoadError, EngineAdapters
-from workers.engines.lora.gate import AdapterClosed, AdapterGate
+from workers.commands.lora_sync import LoraTiming
+from workers.engines.base import EngineLoras, LoraLoadError
+from workers.engines.lora.gate import LoraClosed, LoraGate
 from workers.roles.base import NO_ADAPTERS
 
-FAST = Timing(
-    janitor_s=0.05, adapters=AdapterTiming(poll_s=0.02, retry_failed_s=0.2, drain_max_s=5.0)
-)
+FAST = Timing(janitor_s=0.05, adapters=LoraTiming(poll_s=0.02, retry_failed_s=0.2, drain_max_s=5.0))
 
 
-class FakeAdapters:
-    """EngineAdapters: a folder that exists loads (after ``load_s``); the real gate."""
+class FakeLoras:
+    """EngineLoras: a folder that exists loads (after ``load_s``); the real gate."""
 
     def __init__(self, *, max_active: int = 2, load_s: float = 0.0) -> None:
-        self.gate = AdapterGate(max_active)
+        self.gate = LoraGate(max_active)
         self.load_s = load_s
         self.paths: dict[str, str] = {}
         self.events: list[tuple[str, str, float]] = []
@@ -60,7 +58,7 @@ class FakeAdapters:
     async def load(self, name: str, path: str) -> None:
         await asyncio.sleep(self.load_s)
         if not await asyncio.to_thread(Path(path).is_dir):
-            raise AdapterLoadError(f"no adapter folder at {path}")
+            raise LoraLoadError(f"no adapter folder at {path}")
         self.paths[name] = path
         self.events.append(("load", name, time.monotonic()))
 
@@ -80,14 +78,14 @@ class FakeAdapters:
         try:
             async with self.gate.hold(name):
                 yield
-        except AdapterClosed:
+        except LoraClosed:
             raise ModelNotFound(f"adapter {name!r} is being unloaded") from None
 
 
 class LoraEngine(FakeEngine):
     """A FakeEngine that serves adapters (what generate.parts looks for)."""
 
-    def __init__(self, adapters: EngineAdapters | None, **kwargs: Any) -> None:
+    def __init__(self, adapters: EngineLoras | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.adapters = adapters
         self.adapters_off = "LoRA is off on this worker (test)"
@@ -117,14 +115,14 @@ async def adapter_states(w: Harness) -> dict[str, str]:
     return {} if entry is None else dict(entry.adapters)
 
 
-def spec(name: str, path: Path | str) -> AdapterSpec:
-    return AdapterSpec(name=name, path=str(path), base_model=MODEL)
+def spec(name: str, path: Path | str) -> LoraSpec:
+    return LoraSpec(name=name, path=str(path), base_model=MODEL)
 
 
 async def test_registered_adapters_load_before_the_worker_reads_or_is_ready(
     redis_target: RedisTarget, tmp_path: Path
 ) -> None:
-    adapters = FakeAdapters(load_s=0.3)
+    adapters = FakeLoras(load_s=0.3)
     engine = LoraEngine(adapters)
     seen: list[WorkerRegistration] = []
 
@@ -154,7 +152,7 @@ async def test_registered_adapters_load_before_the_worker_reads_or_is_ready(
 async def test_an_adapter_stream_is_read_only_while_loaded_here(
     redis_target: RedisTarget, tmp_path: Path
 ) -> None:
-    adapters = FakeAdapters()
+    adapters = FakeLoras()
     engine = LoraEngine(adapters, tokens=3, step_s=0.02)
     async with worker(redis_target, engine, timing=FAST, heartbeat_ttl_s=0.2) as w:
         await submit(w.redis, adapter_stream("a"), adapter_job("early", "a"))
@@ -196,7 +194,7 @@ async def _empty(w: Harness) -> bool:
 async def test_a_failed_adapter_loads_once_its_folder_appears(
     redis_target: RedisTarget, tmp_path: Path
 ) -> None:
-    adapters = FakeAdapters()
+    adapters = FakeLoras()
     folder = tmp_path / "late"
     async with worker(redis_target, LoraEngine(adapters), timing=FAST, heartbeat_ttl_s=0.2) as w:
         await publish_desired(w.redis, MODEL, [spec("a", folder)])
@@ -229,7 +227,7 @@ async def test_a_worker_without_lora_reports_why(redis_target: RedisTarget, tmp_
 async def test_lost_desired_state_keeps_what_is_loaded(
     redis_target: RedisTarget, tmp_path: Path
 ) -> None:
-    adapters = FakeAdapters()
+    adapters = FakeLoras()
     async with worker(redis_target, LoraEngine(adapters), timing=FAST, heartbeat_ttl_s=0.2) as w:
         await publish_desired(w.redis, MODEL, [spec("a", tmp_path)])
         await eventually(lambda: _loaded(w, "a"), what="a to load")
@@ -245,7 +243,7 @@ async def _loaded(w: Harness, name: str) -> bool:
 async def test_unloading_waits_for_running_sequences(
     redis_target: RedisTarget, tmp_path: Path
 ) -> None:
-    adapters = FakeAdapters()
+    adapters = FakeLoras()
     engine = LoraEngine(adapters, tokens=30, step_s=0.02)
     async with worker(redis_target, engine, timing=FAST, heartbeat_ttl_s=0.2) as w:
         await publish_desired(w.redis, MODEL, [spec("a", tmp_path)])

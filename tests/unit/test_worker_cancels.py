@@ -1,4 +1,4 @@
-"""Client cancels on the control channel stop a worker's jobs, or drop them at dequeue."""
+"""Client cancels on the command channel stop a worker's jobs, or drop them at dequeue."""
 
 from __future__ import annotations
 

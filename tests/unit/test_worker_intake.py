@@ -41,7 +41,7 @@ async def test_cancel_flag_set_before_dequeue_drops_the_job(redis_target: RedisT
 
 
 async def test_job_of_a_dead_gateway_is_dropped(redis_target: RedisTarget) -> None:
-    async with worker(redis_target, gateway_alive=False, gateway_grace_s=0.0) as w:
+    async with worker(redis_target, gateway_alive=False, gateway_liveness_ttl_s=0.0) as w:
         await w.submit(make_job("orphan"))
         await w.drained()
         assert await w.events("orphan") == []
@@ -52,7 +52,7 @@ async def test_a_gateway_key_missing_for_a_moment_does_not_drop_its_job(
     redis_target: RedisTarget,
 ) -> None:
     """A stalled gateway or a restarted Redis must not make a live gateway's client hang."""
-    async with worker(redis_target, gateway_alive=False, gateway_grace_s=60.0) as w:
+    async with worker(redis_target, gateway_alive=False, gateway_liveness_ttl_s=60.0) as w:
         await w.submit(make_job("kept"))
         assert isinstance((await w.final_events("kept"))[-1], FinishEvent)
 
@@ -87,7 +87,7 @@ async def test_reclaimed_job_resumes_after_the_tokens_already_sent(
 
     engine = FakeEngine(tokens=4)
     async with worker(
-        redis_target, engine, setup=crashed_worker, claim_idle_ms=100, timing=FAST_JANITOR
+        redis_target, engine, setup=crashed_worker, claim_idle_s=0.1, timing=FAST_JANITOR
     ) as w:
         events = await w.final_events("r1")
         await w.drained()
@@ -142,7 +142,7 @@ async def test_deterministic_guided_job_is_replayed_not_appended(
 
     engine = FakeEngine(tokens=4)  # regenerates 100, 101, then 102, 103
     async with worker(
-        redis_target, engine, setup=crashed_worker, claim_idle_ms=100, timing=FAST_JANITOR
+        redis_target, engine, setup=crashed_worker, claim_idle_s=0.1, timing=FAST_JANITOR
     ) as w:
         events = await w.final_events("forced")
         await w.drained()
@@ -173,7 +173,7 @@ async def test_a_replay_that_does_not_match_ends_with_a_clean_error(
         redis_target,
         FakeEngine(tokens=4),
         setup=crashed_worker,
-        claim_idle_ms=100,
+        claim_idle_s=0.1,
         timing=FAST_JANITOR,
     ) as w:
         events = await w.final_events("forced")
@@ -202,7 +202,7 @@ async def test_job_that_failed_max_deliveries_times_is_dead_lettered(
         engine,
         setup=crashed_twice,
         max_deliveries=2,
-        claim_idle_ms=50,
+        claim_idle_s=0.05,
         timing=FAST_JANITOR,
     ) as w:
         [event] = await w.final_events("poison")
@@ -246,7 +246,7 @@ async def test_job_that_failed_fewer_times_still_runs(redis_target: RedisTarget)
         engine,
         setup=crashed_once,
         max_deliveries=2,
-        claim_idle_ms=50,
+        claim_idle_s=0.05,
         timing=FAST_JANITOR,
     ) as w:
         events = await w.final_events("retry")
@@ -294,7 +294,7 @@ async def test_resume_that_may_not_migrate_ends_with_a_clean_error(
         redis_target,
         engine,
         setup=stopped_mid_stream,
-        claim_idle_ms=50,
+        claim_idle_s=0.05,
         timing=FAST_JANITOR,
         **policy,
     ) as w:

@@ -41,7 +41,7 @@ async def test_running_job_is_aborted_once_its_gateway_stays_gone(
 ) -> None:
     engine = FakeEngine(tokens=100_000, step_s=0.01)
     async with worker(
-        redis_target, engine, gateway_grace_s=0.5, timing=Timing(orphan_check_s=0.1)
+        redis_target, engine, gateway_liveness_ttl_s=0.5, timing=Timing(orphan_check_s=0.1)
     ) as w:
         await w.submit(make_job("orphaned", max_tokens=100_000))
 

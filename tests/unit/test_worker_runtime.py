@@ -331,7 +331,7 @@ async def test_a_journal_that_gave_up_stops_the_worker_and_its_jobs_are_reclaime
             successor,
             fresh=False,
             worker_id="w-next",
-            claim_idle_ms=50,
+            claim_idle_s=0.05,
             timing=Timing(janitor_s=0.02),
         ) as w2:
             events = await w2.final_events("stranded")

@@ -63,7 +63,7 @@ TEST_POLICY = dataclasses.replace(
     max_slots=8,
     heartbeat_ttl_s=3.0,
     canary_idle_s=3600.0,
-    read_block_ms=50,
+    job_read_block_ms=50,
     shutdown_grace_s=0.0,
 )
 FAST_JANITOR = Timing(janitor_s=0.02)
@@ -255,7 +255,7 @@ class Harness:
         await self.redis.publish(self._control_channel(), data)
 
     async def listening(self) -> None:
-        """The worker's cancel listener is subscribed to the control channel."""
+        """The worker's cancel listener is subscribed to the command channel."""
 
         async def subscribed() -> bool:
             [(_, count)] = await self.redis.pubsub_numsub(self._control_channel())
@@ -274,7 +274,7 @@ class Harness:
         await eventually(heard, what=f"the worker to hear the cancel of {request_id}")
 
     def _control_channel(self) -> str:
-        return names.control_channel(db_of(self.redis))
+        return names.command_channel(db_of(self.redis))
 
 
 async def stop_task(task: asyncio.Task[Any], *, within_s: float = 5.0) -> None:

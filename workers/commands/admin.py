@@ -1,7 +1,7 @@
 """Admin commands for this worker: drain, resume, clear KV, sleep, wake.
 
-The control channel's listener (:mod:`workers.commands.listener`) hands every
-:class:`~shared.protocol.WorkerCommand` to :meth:`WorkerControl.handle`; the one
+The command channel's listener (:mod:`workers.commands.listener`) hands every
+:class:`~shared.protocol.WorkerCommand` to :meth:`WorkerAdmin.handle`; the one
 addressed to this worker runs in a task of its own and is answered on its reply key
 (:func:`shared.queue.worker_commands.answer`) within the sender's ``timeout_s``.
 
@@ -47,7 +47,7 @@ class Quiescent(Protocol):
         ...
 
 
-class WorkerControl:
+class WorkerAdmin:
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -67,7 +67,7 @@ class WorkerControl:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def handle(self, command: WorkerCommand) -> None:
-        """A command off the control channel: serve it if it is addressed here."""
+        """A command off the command channel: serve it if it is addressed here."""
         if command.worker_id != self._worker_id:
             return
         task = asyncio.create_task(self._serve(command), name=f"command-{command.command}")

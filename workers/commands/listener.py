@@ -1,4 +1,4 @@
-"""Client cancels: the control channel's :class:`CancelCommand` stops the request's jobs here
+"""Client cancels: the command channel's :class:`CancelCommand` stops the request's jobs here
 (its :class:`WorkerCommand` messages, admin commands, go to :mod:`workers.commands.admin`).
 
 The gateway sets a cancel flag and publishes the command once. A job already
@@ -29,7 +29,7 @@ RESUBSCRIBE_S = 0.5
 POLL_S = 1.0
 
 
-class CancelListener:
+class CommandListener:
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -48,25 +48,25 @@ class CancelListener:
         while True:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(names.control_channel(db_of(self._redis)))
+                await pubsub.subscribe(names.command_channel(db_of(self._redis)))
                 while True:
                     message = await pubsub.get_message(timeout=POLL_S)
                     if message is not None:
                         self.handle(message["data"])
             except RedisError as exc:
-                log.warning("control channel lost (%s); resubscribing", exc)
+                log.warning("command channel lost (%s); resubscribing", exc)
                 await backoff.wait()
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def handle(self, data: bytes) -> None:
-        """One control message: a cancel stops the request's jobs; an admin command goes to
+        """One command message: a cancel stops the request's jobs; an admin command goes to
         ``on_command``; anything else is ignored."""
         try:
             command = decode_bytes(data)
         except ProtocolError as exc:
-            log.error("bad control message: %s", exc)
+            log.error("bad command message: %s", exc)
             return
         if isinstance(command, WorkerCommand):
             if self._on_command is not None:

@@ -12,7 +12,7 @@
    its running sequences and unloads it, in the background.
 4. Desired state unknown (nothing published, or Redis lost it): keep what is loaded.
 
-:meth:`AdapterReconciler.start` runs the first pass to its end before the worker reads
+:meth:`LoraReconciler.start` runs the first pass to its end before the worker reads
 any job, so a worker that starts, restarts or replaces another has loaded every
 registered adapter before it reports ready (``ready`` waits for :attr:`synced`).
 """
@@ -37,14 +37,14 @@ from shared.queue.lora_registry import (
     LOADING,
     POLL_S,
     UNLOADING,
-    AdapterSpec,
+    LoraSpec,
     desired_generation,
     failed,
     read_desired,
 )
 from shared.roles import Role
 from shared.tasks import cancel_and_wait
-from workers.engines.base import AdapterLoadError, EngineAdapters
+from workers.engines.base import EngineLoras, LoraLoadError
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +58,24 @@ class StreamSet(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterTiming:
+class LoraTiming:
     poll_s: float = POLL_S
     retry_failed_s: float = 30.0
     drain_max_s: float = 300.0
     """How long an unloading adapter's queue may take to empty before it is unloaded."""
 
 
-class AdapterReconciler:
+class LoraReconciler:
     def __init__(
         self,
         *,
         redis: aioredis.Redis,
         model: str,
         role: Role,
-        adapters: EngineAdapters | None,
+        adapters: EngineLoras | None,
         off_reason: str,
         streams: StreamSet,
-        timing: AdapterTiming = AdapterTiming(),
+        timing: LoraTiming = LoraTiming(),
     ) -> None:
         self._redis = redis
         self._model = model
@@ -84,8 +84,8 @@ class AdapterReconciler:
         self._off_reason = off_reason
         self._streams = streams
         self._timing = timing
-        self._loaded: dict[str, AdapterSpec] = {}
-        self._failed: dict[str, tuple[AdapterSpec, float]] = {}
+        self._loaded: dict[str, LoraSpec] = {}
+        self._failed: dict[str, tuple[LoraSpec, float]] = {}
         self._unloading: dict[str, asyncio.Task[None]] = {}
         self._report: Mapping[str, str] = {}
         self._undecodable: set[str] = set()
@@ -151,7 +151,7 @@ class AdapterReconciler:
         self._seen = desired.generation
         self.generation = desired.generation
 
-    def _due(self, spec: AdapterSpec) -> bool:
+    def _due(self, spec: LoraSpec) -> bool:
         attempt = self._failed.get(spec.name)
         if attempt is None or attempt[0] != spec:
             return True
@@ -160,7 +160,7 @@ class AdapterReconciler:
     def _retry_due(self) -> bool:
         return any(self._due(spec) for spec, _ in self._failed.values())
 
-    async def _load(self, spec: AdapterSpec) -> None:
+    async def _load(self, spec: LoraSpec) -> None:
         if self._adapters is None:
             self._fail(spec, self._off_reason)
             return
@@ -168,7 +168,7 @@ class AdapterReconciler:
         started = time.monotonic()
         try:
             await self._adapters.load(spec.name, spec.path)
-        except AdapterLoadError as exc:
+        except LoraLoadError as exc:
             log.warning("adapter %s (%s) failed to load: %s", spec.name, spec.path, exc)
             self._fail(spec, str(exc))
             return
@@ -183,13 +183,13 @@ class AdapterReconciler:
             "adapter %s ready in %.3fs; reading its stream", spec.name, time.monotonic() - started
         )
 
-    def _start_unload(self, spec: AdapterSpec) -> None:
+    def _start_unload(self, spec: LoraSpec) -> None:
         del self._loaded[spec.name]
         self._set(spec.name, UNLOADING)
         task = asyncio.create_task(self._unload(spec), name=f"unload-{spec.name}")
         self._unloading[spec.name] = task
 
-    async def _unload(self, spec: AdapterSpec) -> None:
+    async def _unload(self, spec: LoraSpec) -> None:
         stream = JobStream(spec.name, self._role)
         try:
             await self._drain(stream)
@@ -220,7 +220,7 @@ class AdapterReconciler:
             self._timing.drain_max_s,
         )
 
-    def _fail(self, spec: AdapterSpec, reason: str) -> None:
+    def _fail(self, spec: LoraSpec, reason: str) -> None:
         self._failed[spec.name] = (spec, time.monotonic())
         self._set(spec.name, failed(reason))
 

@@ -1,4 +1,4 @@
-"""The interfaces inference engine adapters implement, one per capability.
+"""The interfaces inference engines implement, one per capability.
 
 Every engine is an :class:`EngineBase` (identity, health, load). What else it
 offers is a capability of its own: :class:`GenerateEngine` (stream a sequence's
@@ -112,7 +112,7 @@ class GenerateEngine(EngineBase, Protocol):
 
         With ``handoff`` (decode role) the prompt's KV cache is fetched from the
         prefill engine instead of computed. With ``adapter`` the sequence runs with that
-        loaded LoRA adapter (:class:`EngineAdapters`; not loaded: ``ModelNotFound``). A
+        loaded LoRA adapter (:class:`EngineLoras`; not loaded: ``ModelNotFound``). A
         sequence aborted with :meth:`abort` (or whose consuming task is cancelled) ends
         with ``finish_reason="abort"``.
         """
@@ -173,7 +173,7 @@ class EncodeEngine(EngineBase, Protocol):
 # ---------------------------------------------------------------- LoRA adapters, admin
 
 
-class AdapterLoadError(Exception):
+class LoraLoadError(Exception):
     """An adapter could not be loaded; the message is the reason the worker reports.
     The engine is unharmed (a load that would harm it is refused before it is tried)."""
 
@@ -182,7 +182,7 @@ class NotSupported(Exception):
     """The engine cannot do this at all; the message says why (an admin route's 501)."""
 
 
-class EngineAdapters(Protocol):
+class EngineLoras(Protocol):
     """LoRA adapters in an engine: load by name, run sequences with them, unload.
 
     Only a loaded adapter's name may reach :meth:`GenerateEngine.generate`: a path is
@@ -198,7 +198,7 @@ class EngineAdapters(Protocol):
 
     async def load(self, name: str, path: str) -> None:
         """Check and load the PEFT adapter at ``path`` as ``name``; raises
-        :class:`AdapterLoadError` with the reason. Loading a loaded name again reloads it."""
+        :class:`LoraLoadError` with the reason. Loading a loaded name again reloads it."""
         ...
 
     async def unload(self, name: str) -> None:
@@ -229,11 +229,11 @@ class EngineAdmin(Protocol):
 
 
 @runtime_checkable
-class ServesAdapters(Protocol):
+class ServesLoras(Protocol):
     """An engine that may serve LoRA adapters (``adapters`` is None when it is off)."""
 
     @property
-    def adapters(self) -> EngineAdapters | None: ...
+    def adapters(self) -> EngineLoras | None: ...
 
     @property
     def adapters_off(self) -> str:

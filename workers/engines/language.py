@@ -1,6 +1,6 @@
-"""Which adapter runs a language model: vLLM, or SGLang on GPU boxes (``--engine``).
+"""Which engine runs a language model: vLLM, or SGLang on GPU boxes (``--engine``).
 
-The adapter modules import their engine lazily, so choosing one loads only it.
+The engine packages import their library lazily, so choosing one loads only it.
 """
 
 from __future__ import annotations

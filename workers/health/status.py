@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_INTERVAL_S = 2.0
 
 
-class AdapterReport(Protocol):
-    """The LoRA reconciler's report (:class:`workers.commands.lora_sync.AdapterReconciler`)."""
+class LoraReport(Protocol):
+    """The LoRA reconciler's report (:class:`workers.commands.lora_sync.LoraReconciler`)."""
 
     generation: int
     synced: bool
@@ -53,7 +53,7 @@ class WorkerStatus:
         jobs: ActiveJobs,
         lifecycle: Lifecycle,
         canary: Canary,
-        adapters: AdapterReport | None = None,
+        adapters: LoraReport | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._role = role

@@ -5,7 +5,7 @@ Every ``interval_s``:
 1. Renew this worker's claim on each running job, fenced (only while the job is
    still this run's); stop the jobs another run took over.
 2. Reclaim the jobs of workers whose heartbeat expired, once idle for
-   ``claim_idle_ms``, and start them here; never a live worker's jobs, however
+   ``claim_idle_s``, and start them here; never a live worker's jobs, however
    slow. After a stall (Redis, or this worker) hold off for a heartbeat TTL, so
    that heartbeats that lapsed during it can resume. Safety net: an entry nobody
    renewed for ``STALE_ENTRY_MS`` is restarted, logged as ``SAFETY_NET_LOG``.
@@ -81,7 +81,7 @@ class Reclaimer:
         registry: WorkerRegistry,
         streams: Sequence[JobStream],
         worker_id: str,
-        claim_idle_ms: int,
+        claim_idle_s: float,
         start: Callable[[list[Delivery]], Awaitable[None]],
         in_hand: Callable[[], set[str]],
     ) -> None:
@@ -89,7 +89,7 @@ class Reclaimer:
         self._registry = registry
         self._streams = streams
         self._worker_id = worker_id
-        self._claim_idle_ms = claim_idle_ms
+        self._claim_idle_s = claim_idle_s
         self._start = start
         self._in_hand = in_hand
         """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
@@ -107,7 +107,7 @@ class Reclaimer:
                 deliveries = await self._queue.reclaim(
                     stream,
                     self._worker_id,
-                    min_idle_ms=self._claim_idle_ms,
+                    min_idle_ms=int(self._claim_idle_s * 1000),
                     count=free,
                     from_consumers=dead,
                 )

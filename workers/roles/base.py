@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError
 from shared.settings import Settings
-from workers.engines.base import EngineAdapters, EngineAdmin, EngineBase
+from workers.engines.base import EngineAdmin, EngineBase, EngineLoras
 from workers.journal.run_journal import RunJournal, RunLease
 
 
@@ -57,7 +57,7 @@ class RoleParts:
     probe: Probe
     cache_stats: Callable[[], dict[str, int] | None] = no_stats
     """The registry entry's ``embedding_cache`` (encode workers)."""
-    adapters: EngineAdapters | None = None
+    adapters: EngineLoras | None = None
     """LoRA adapters (:mod:`workers.commands.lora_sync` reconciles them to the desired state)."""
     adapters_off: str = NO_ADAPTERS
     """Why ``adapters`` is None: reported for every desired adapter."""

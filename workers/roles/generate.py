@@ -43,11 +43,11 @@ from shared.protocol import (
 from shared.settings import Settings
 from workers.engines.base import (
     Administered,
-    EngineAdapters,
+    EngineLoras,
     GenerateEngine,
     Handoff,
     PromptImages,
-    ServesAdapters,
+    ServesLoras,
     StepOutput,
 )
 from workers.engines.language import load_language_engine
@@ -138,7 +138,7 @@ class SequenceRun:
         engine: GenerateEngine,
         journal: RunJournal,
         images: PromptImageLoader | None = None,
-        adapters: EngineAdapters | None = None,
+        adapters: EngineLoras | None = None,
     ) -> None:
         self.lease = lease
         self.job: GenerateJob = generate_job(lease)
@@ -267,7 +267,7 @@ def probe(engine: GenerateEngine) -> Probe:
 
 def parts(engine: GenerateEngine, images: PromptImageLoader | None) -> RoleParts:
     adapters, adapters_off = None, NO_ADAPTERS
-    if isinstance(engine, ServesAdapters):
+    if isinstance(engine, ServesLoras):
         adapters, adapters_off = engine.adapters, engine.adapters_off
     return RoleParts(
         engine=engine,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.peft_layout import LlamaShapes
-from workers.engines.base import AdapterLoadError
+from workers.engines.base import LoraLoadError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -28,48 +28,48 @@ _NOT_LINEAR = ("embed_tokens", "lm_head", "lora_embedding")
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterFiles:
+class LoraFiles:
     path: Path
     rank: int
     weights: Path
 
 
-def check_adapter(path: str, *, max_rank: int, model: LlamaShapes | None) -> AdapterFiles:
-    """The checked adapter at ``path``; raises :class:`AdapterLoadError` with the reason.
+def check_adapter(path: str, *, max_rank: int, model: LlamaShapes | None) -> LoraFiles:
+    """The checked adapter at ``path``; raises :class:`LoraLoadError` with the reason.
     ``model`` None (not a Llama-family config): the shapes are left to the engine."""
     folder = Path(path)
     if not folder.is_absolute():
-        raise AdapterLoadError(f"adapter path {path!r} is not absolute")
+        raise LoraLoadError(f"adapter path {path!r} is not absolute")
     if not folder.is_dir():
-        raise AdapterLoadError(f"no adapter folder at {path}")
+        raise LoraLoadError(f"no adapter folder at {path}")
     config = _config(folder)
     rank = _rank(config, max_rank)
     weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if weights is None:
-        raise AdapterLoadError(f"{path} has no {' or '.join(WEIGHT_FILES)}")
+        raise LoraLoadError(f"{path} has no {' or '.join(WEIGHT_FILES)}")
     if weights.suffix == ".safetensors":
         _check_shapes(_header(weights), model)
-    return AdapterFiles(folder, rank, weights)
+    return LoraFiles(folder, rank, weights)
 
 
 def _config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise AdapterLoadError(f"{folder} has no {CONFIG_FILE}") from exc
+        raise LoraLoadError(f"{folder} has no {CONFIG_FILE}") from exc
     except (OSError, ValueError) as exc:
-        raise AdapterLoadError(f"unreadable {CONFIG_FILE}: {exc}") from exc
+        raise LoraLoadError(f"unreadable {CONFIG_FILE}: {exc}") from exc
     if not isinstance(config, dict):
-        raise AdapterLoadError(f"{CONFIG_FILE} is not a JSON object")
+        raise LoraLoadError(f"{CONFIG_FILE} is not a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterLoadError(f"not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+        raise LoraLoadError(f"not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     if config.get("modules_to_save"):
-        raise AdapterLoadError("adapters with modules_to_save are not served")
+        raise LoraLoadError("adapters with modules_to_save are not served")
     if config.get("use_dora"):
-        raise AdapterLoadError("DoRA adapters are not served")
+        raise LoraLoadError("DoRA adapters are not served")
     targets = config.get("target_modules") or []
     if any(name in str(targets) for name in _NOT_LINEAR):
-        raise AdapterLoadError(
+        raise LoraLoadError(
             "adapters of the embeddings or lm_head are not served (linear layers only)"
         )
     return config
@@ -79,12 +79,12 @@ def _rank(config: dict[str, Any], max_rank: int) -> int:
     try:
         ranks = [int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
     except (KeyError, TypeError, ValueError) as exc:
-        raise AdapterLoadError(f"{CONFIG_FILE} has no valid rank 'r'") from exc
+        raise LoraLoadError(f"{CONFIG_FILE} has no valid rank 'r'") from exc
     rank = max(ranks)
     if rank < 1:
-        raise AdapterLoadError(f"rank {rank} is not a LoRA rank")
+        raise LoraLoadError(f"rank {rank} is not a LoRA rank")
     if rank > max_rank:
-        raise AdapterLoadError(f"rank {rank} is over this worker's max_lora_rank {max_rank}")
+        raise LoraLoadError(f"rank {rank} is over this worker's max_lora_rank {max_rank}")
     return rank
 
 
@@ -94,24 +94,24 @@ def _header(weights: Path) -> dict[str, Any]:
         with weights.open("rb") as file:
             (size,) = struct.unpack("<Q", file.read(8))
             if size > MAX_HEADER_BYTES:
-                raise AdapterLoadError(f"{weights.name} is corrupt (header of {size} bytes)")
+                raise LoraLoadError(f"{weights.name} is corrupt (header of {size} bytes)")
             header = json.loads(file.read(size))
-    except AdapterLoadError:
+    except LoraLoadError:
         raise
     except (OSError, ValueError, struct.error) as exc:
-        raise AdapterLoadError(f"{weights.name} is corrupt ({exc})") from exc
+        raise LoraLoadError(f"{weights.name} is corrupt ({exc})") from exc
     if not isinstance(header, dict):
-        raise AdapterLoadError(f"{weights.name} is corrupt (header is not an object)")
+        raise LoraLoadError(f"{weights.name} is corrupt (header is not an object)")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     if not tensors:
-        raise AdapterLoadError(f"{weights.name} holds no tensors")
+        raise LoraLoadError(f"{weights.name} holds no tensors")
     return tensors
 
 
 def _check_shapes(tensors: dict[str, Any], model: LlamaShapes | None) -> None:
     for name, info in tensors.items():
         if any(part in name for part in _NOT_LINEAR):
-            raise AdapterLoadError(
+            raise LoraLoadError(
                 f"{name}: adapters of the embeddings or lm_head are not served (linear layers only)"
             )
         match = _LINEAR.search(name)
@@ -119,7 +119,7 @@ def _check_shapes(tensors: dict[str, Any], model: LlamaShapes | None) -> None:
             continue
         layer, module, part = int(match[1]), match[2], match[3]
         if layer >= model.layers:
-            raise AdapterLoadError(
+            raise LoraLoadError(
                 f"made for another model: {name} names layer {layer}, "
                 f"this model has {model.layers} layers"
             )
@@ -132,7 +132,7 @@ def _check_shapes(tensors: dict[str, Any], model: LlamaShapes | None) -> None:
         got_dim = shape[1] if part == "A" and len(shape) == 2 else shape[0] if shape else None
         if len(shape) != 2 or got_dim != expected_dim:
             side = "input" if part == "A" else "output"
-            raise AdapterLoadError(
+            raise LoraLoadError(
                 f"made for another model: {name} has shape {shape}, this model's {module} "
                 f"{side} size is {expected_dim}"
             )

@@ -20,11 +20,11 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 
 
-class AdapterClosed(Exception):
+class LoraClosed(Exception):
     """The adapter is being unloaded: no new sequence may use it."""
 
 
-class AdapterGate:
+class LoraGate:
     def __init__(self, max_active: int) -> None:
         if max_active < 1:
             raise ValueError("max_active must be at least 1")
@@ -46,7 +46,7 @@ class AdapterGate:
 
     @contextlib.asynccontextmanager
     async def hold(self, name: str | None) -> AsyncIterator[None]:
-        """Hold while one sequence of ``name`` runs (raises :class:`AdapterClosed`)."""
+        """Hold while one sequence of ``name`` runs (raises :class:`LoraClosed`)."""
         if name is None:
             yield
             return
@@ -74,7 +74,7 @@ class AdapterGate:
 
     async def _enter(self, name: str) -> None:
         if name in self._closed:
-            raise AdapterClosed(name)
+            raise LoraClosed(name)
         if not self.waiting() and self._admits(name):
             self._running[name] += 1
             return
@@ -105,7 +105,7 @@ class AdapterGate:
                 self._waiters.popleft()
             elif name in self._closed:
                 self._waiters.popleft()
-                future.set_exception(AdapterClosed(name))
+                future.set_exception(LoraClosed(name))
             elif self._admits(name):
                 self._waiters.popleft()
                 self._running[name] += 1

@@ -1,4 +1,4 @@
-"""SGLang adapter: the only module that imports sglang (lazily, so importing this works without it).
+"""SGLang engine: the only module that imports sglang (lazily, so importing this works without it).
 
 Wraps the offline ``sglang.Engine`` -- the same object NVIDIA Dynamo's SGLang
 workers drive -- through ``await Engine.async_generate(input_ids=..., stream=True,

@@ -1,4 +1,4 @@
-"""vLLM adapter: the only module that imports vllm.
+"""vLLM engine: the only module that imports vllm.
 
 Wraps ``AsyncLLM`` (continuous batching across every concurrent ``generate``)
 and translates vLLM's exceptions into :mod:`shared.errors`, in one place

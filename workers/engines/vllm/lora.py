@@ -10,14 +10,14 @@ slot; slots fill from the first, and stay filled (LRU), so this starts as soon a
 
 The fix: the engine gets one slot more than ``max_loras`` and that last slot holds a
 pinned all-zero adapter, so index -1 adds exactly nothing. vLLM places an adapter in
-the first free slot, so :meth:`VllmAdapters._reserve` fills the others with throwaway
+the first free slot, so :meth:`VllmLoras._reserve` fills the others with throwaway
 copies, adds and pins the zero adapter (it lands last), and removes the throwaways.
 Pinned, it is never evicted; the other ``max_loras`` slots serve real adapters, and
-the :class:`~workers.engines.lora.gate.AdapterGate` keeps at most ``max_loras``
+the :class:`~workers.engines.lora.gate.LoraGate` keeps at most ``max_loras``
 distinct adapters in the engine (vLLM's scheduler would admit ``max_loras + 1``, one
 more than there are free slots). Base-only batches still skip LoRA entirely.
 
-A path reaches vLLM only through :meth:`VllmAdapters.load`: checked first
+A path reaches vLLM only through :meth:`VllmLoras.load`: checked first
 (:mod:`workers.engines.lora.check`), then ``add_lora`` (which only raises). A
 request carries the ``LoRARequest`` of a loaded adapter, never a path of its own, and
 the CPU cache holds every loaded adapter (no eviction that a request would undo by
@@ -41,9 +41,9 @@ from shared.errors import EngineDead, ModelNotFound
 from shared.peft_layout import LlamaShapes, tensor_name
 from shared.roles import Role
 from shared.settings import WorkerSettings
-from workers.engines.base import AdapterLoadError
+from workers.engines.base import LoraLoadError
 from workers.engines.lora.check import check_adapter
-from workers.engines.lora.gate import AdapterClosed, AdapterGate
+from workers.engines.lora.gate import LoraClosed, LoraGate
 from workers.engines.vision.encoder import vision_family
 
 log = logging.getLogger(__name__)
@@ -79,15 +79,15 @@ def engine_args(settings: WorkerSettings, model_path: str) -> dict[str, Any]:
     }
 
 
-def attach(llm: Any, settings: WorkerSettings, model_path: str) -> tuple[VllmAdapters | None, str]:
+def attach(llm: Any, settings: WorkerSettings, model_path: str) -> tuple[VllmLoras | None, str]:
     """The engine's adapters, or None and the reason."""
     reason = adapters_off_reason(settings, model_path)
     if reason is not None:
         return None, reason
-    return VllmAdapters(llm, settings), ""
+    return VllmLoras(llm, settings), ""
 
 
-def lora_request(adapters: VllmAdapters | None, name: str | None) -> Any:
+def lora_request(adapters: VllmLoras | None, name: str | None) -> Any:
     """The ``LoRARequest`` a sequence of adapter ``name`` runs with (None: the base)."""
     if name is None:
         return None
@@ -96,8 +96,8 @@ def lora_request(adapters: VllmAdapters | None, name: str | None) -> Any:
     return adapters.request(name)
 
 
-class VllmAdapters:
-    """The :class:`~workers.engines.base.EngineAdapters` of one ``AsyncLLM``."""
+class VllmLoras:
+    """The :class:`~workers.engines.base.EngineLoras` of one ``AsyncLLM``."""
 
     def __init__(self, llm: Any, settings: WorkerSettings) -> None:
         self._llm = llm
@@ -105,7 +105,7 @@ class VllmAdapters:
         self._max_loaded = settings.max_cpu_loras
         self._max_rank = settings.max_lora_rank
         self._shapes = _shapes(llm)
-        self._gate = AdapterGate(settings.max_loras)
+        self._gate = LoraGate(settings.max_loras)
         self._loaded: dict[str, Any] = {}
         self._closing: set[str] = set()
         self._lock = asyncio.Lock()
@@ -132,7 +132,7 @@ class VllmAdapters:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(self._gate.hold(name))
-            except AdapterClosed:
+            except LoraClosed:
                 raise ModelNotFound(f"adapter {name!r} is being unloaded") from None
             yield
 
@@ -140,16 +140,14 @@ class VllmAdapters:
         async with self._lock:
             await self._reserve()
             if name in self._closing:
-                raise AdapterLoadError(f"{name!r} is being unloaded; load it again after")
+                raise LoraLoadError(f"{name!r} is being unloaded; load it again after")
             current = self._loaded.get(name)
             if current is not None:
                 if current.lora_path == path:
                     return
-                raise AdapterLoadError(
-                    f"{name!r} is loaded from {current.lora_path}; unload it first"
-                )
+                raise LoraLoadError(f"{name!r} is loaded from {current.lora_path}; unload it first")
             if len(self._loaded) >= self._max_loaded:
-                raise AdapterLoadError(
+                raise LoraLoadError(
                     f"this worker holds its maximum of {self._max_loaded} "
                     "adapters (CONVEYOR_MAX_CPU_LORAS)"
                 )
@@ -196,7 +194,7 @@ class VllmAdapters:
             raise EngineDead(f"the vLLM engine died loading an adapter: {exc}") from exc
         except Exception as exc:
             await self._remove(request.lora_int_id)
-            raise AdapterLoadError(_reason(exc)) from exc
+            raise LoraLoadError(_reason(exc)) from exc
 
     async def _remove(self, lora_id: int) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -222,12 +220,12 @@ class VllmAdapters:
         if self._reserved is True:
             return
         if isinstance(self._reserved, str):
-            raise AdapterLoadError(self._reserved)
+            raise LoraLoadError(self._reserved)
         try:
             await self._reserve_slot()
-        except AdapterLoadError as exc:
+        except LoraLoadError as exc:
             self._reserved = f"the engine's base-model slot could not be reserved: {exc}"
-            raise AdapterLoadError(self._reserved) from exc
+            raise LoraLoadError(self._reserved) from exc
         self._reserved = True
 
     async def _reserve_slot(self) -> None:
@@ -235,7 +233,7 @@ class VllmAdapters:
 
         shapes = self._shapes
         if shapes is None:
-            raise AdapterLoadError("the model's config.json is not Llama-family")
+            raise LoraLoadError("the model's config.json is not Llama-family")
         with tempfile.TemporaryDirectory(prefix="conveyor-zero-lora-") as folder:
             write_zero_adapter(Path(folder), shapes)
             fillers = [

@@ -1,7 +1,7 @@
 """Where a CPU vLLM engine runs: its cores (OpenMP binding, pinning), in-process or not,
 and the KV connector's settings (NIXL side-channel port, the connector module).
 
-Only the vLLM adapter (:mod:`workers.engines.vllm.engine`) uses it.
+Only the vLLM engine (:mod:`workers.engines.vllm.engine`) uses it.
 """
 
 from __future__ import annotations

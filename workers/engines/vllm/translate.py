@@ -1,4 +1,4 @@
-"""The vLLM adapter's translation: Conveyor's job protocol to vLLM's request classes
+"""The vLLM engine's translation: Conveyor's job protocol to vLLM's request classes
 (SamplingParams, TokensPrompt), vLLM's outputs to :class:`StepOutput`, and vLLM's
 exceptions to :mod:`shared.errors` (:func:`vllm_errors`, the one mapping).
 """
