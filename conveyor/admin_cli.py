@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any, cast
 
-import redis.asyncio as aioredis
-
 from conveyor.admin_output import print_key, print_key_table, print_usage, warn_unannounced
+from conveyor.admin_session import CliError, open_control
 from conveyor.lora_cli import add_lora_commands, run_lora
 from gateway.control.key_service import KeyService, KeySpec, KeyUpdate
 from gateway.control.records import BudgetPeriod, Limits, parse_scopes
 from gateway.control.times import parse_instant
 from gateway.control.usage_report import usage_report
 from gateway.db import schema
-from gateway.db.engine import Database, open_database
+from gateway.db.engine import open_database
 from gateway.db.usage_repo import GroupBy, UsageFilter
-from shared.connections.url import async_client
 from shared.errors import ConveyorError, InvalidRequest
 from shared.settings import Settings
 
@@ -43,10 +40,6 @@ ADMIN_COMMANDS = {
 }
 
 LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "budget_tokens")
-
-
-class CliError(Exception):
-    """A command cannot go on; the message says why and what to do."""
 
 
 # ------------------------------------------------------------------------- parser
@@ -218,31 +211,6 @@ async def _usage(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print_usage(report)
     return 0
-
-
-@contextlib.asynccontextmanager
-async def open_control(
-    settings: Settings, *, redis_needed: bool = True
-) -> AsyncIterator[tuple[Database, aioredis.Redis | None]]:
-    """The database, at head (the embedded one is migrated, an external one must be), and a
-    Redis client for announcing key changes."""
-    database = open_database(settings.database_url_or_default())
-    redis = (
-        async_client(settings.redis_url, timeout_s=2.0, connect_timeout_s=1.0)
-        if redis_needed
-        else None
-    )
-    try:
-        if settings.database_is_embedded():
-            await schema.upgrade_to_head(database.engine)
-        status = await schema.schema_status(database.engine)
-        if not status.at_head:
-            raise CliError(f"{database.url}: {status.problem()}")
-        yield database, redis
-    finally:
-        await database.dispose()
-        if redis is not None:
-            await redis.aclose()
 
 
 # ------------------------------------------------------------------------- arguments

@@ -45,7 +45,7 @@ def add_lora_commands(sub: Any, connection: argparse.ArgumentParser, help_text: 
 
 
 async def run_lora(args: argparse.Namespace, settings: Settings) -> int:
-    from conveyor.admin_cli import CliError, open_control
+    from conveyor.admin_session import CliError, open_control
 
     async with open_control(settings) as (database, redis):
         if redis is None:
@@ -146,7 +146,7 @@ def preload_demo_lora(settings: Settings) -> None:
 async def _preload(settings: Settings) -> None:
     import logging
 
-    from conveyor.admin_cli import open_control
+    from conveyor.admin_session import open_control
     from shared.demo.lora import write_demo_lora
 
     folder = (settings.data_dir / DEMO_LORA_NAME).resolve()

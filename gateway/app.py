@@ -25,8 +25,8 @@ from gateway.error_handlers import install_error_handlers
 from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.routes import admin, health, loras, metrics, openai, workers
-from gateway.serving.translate import UnknownFieldLog
 from gateway.state import GatewayState
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served

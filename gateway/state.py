@@ -13,7 +13,7 @@ from gateway.control.plane import ControlPlane
 from gateway.dispatch.cells import RedisCells
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics
-from gateway.serving.translate import UnknownFieldLog
+from gateway.openai.unknown_fields import UnknownFieldLog
 from shared.settings import GatewaySettings
 
 

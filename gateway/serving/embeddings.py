@@ -9,7 +9,7 @@ from gateway.catalog.served_models import ServedModel
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.openai.responses import Json
 from gateway.openai.schemas import EmbeddingRequest
-from gateway.serving import limits
+from gateway.serving import prompts
 from shared.errors import ContextLengthExceeded, InvalidRequest, RemoteError
 from shared.protocol import EmbeddingEvent, ErrorEvent
 
@@ -24,36 +24,17 @@ def embedding_inputs(request: EmbeddingRequest) -> list[str | list[int]]:
 def input_token_ids(request: EmbeddingRequest, model: ServedModel) -> list[list[int]]:
     """Each input tokenized with the model's special tokens; empty or too long is a 400."""
     inputs = embedding_inputs(request)
-    limits.check_prompts_fit(inputs, model, "input", indexed=len(inputs) > 1)
-    prompts: list[list[int]] = []
-    for position, item in enumerate(inputs):
-        where = "input" if len(inputs) == 1 else f"input[{position}]"
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequest(f"{where} is an empty string", param=where)
-            ids = model.tokenizer.encode(item, add_special_tokens=True)
-        else:
-            if not item:
-                raise InvalidRequest(f"{where} is an empty token list", param=where)
-            _check_vocabulary(item, model, where)
-            ids = item
+    indexed = len(inputs) > 1
+    token_lists = prompts.token_lists(inputs, model, "input", indexed=indexed)
+    for position, ids in enumerate(token_lists):
         if len(ids) > model.max_model_len:
+            where = f"input[{position}]" if indexed else "input"
             raise ContextLengthExceeded(
                 f"{where} has {len(ids)} tokens; `{model.name}` embeds at most "
                 f"{model.max_model_len}",
                 param=where,
             )
-        prompts.append(ids)
-    return prompts
-
-
-def _check_vocabulary(ids: list[int], model: ServedModel, where: str) -> None:
-    size = model.tokenizer.vocab_size()
-    bad = next((t for t in ids if not 0 <= t < size), None)
-    if bad is not None:
-        raise InvalidRequest(
-            f"{where} holds token id {bad}, outside the vocabulary (0..{size - 1})", param=where
-        )
+    return token_lists
 
 
 async def collect_embeddings(

@@ -7,28 +7,14 @@ import json
 import logging
 from typing import Any
 
-from pydantic import BaseModel
-
 from gateway.catalog.served_models import ServedModel
 from gateway.dispatch.plan import ChoiceSpec
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.serving import limits
+from gateway.serving import prompts
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
-
-
-class UnknownFieldLog:
-    """Logs each unknown request field name once per process."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-
-    def note(self, request: BaseModel) -> None:
-        for name in (request.model_extra or {}).keys() - self._seen:
-            self._seen.add(name)
-            log.info("ignoring unknown request field %r (logged once)", name)
 
 
 def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
@@ -135,20 +121,7 @@ def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
 
 
 def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
-    prompts = prompt_list(request)
-    limits.check_prompts_fit(prompts, model, "prompt", indexed=False)
-    vocab = model.tokenizer.vocab_size()
-    token_lists: list[list[int]] = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            token_lists.append(model.tokenizer.encode(prompt, add_special_tokens=True))
-            continue
-        if any(not 0 <= token < vocab for token in prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        token_lists.append(list(prompt))
-    if any(not tokens for tokens in token_lists):
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    return token_lists
+    return prompts.token_lists(prompt_list(request), model, "prompt", indexed=False)
 
 
 def choices(
@@ -175,14 +148,7 @@ def logit_bias(request: SamplingFields, model: ServedModel) -> dict[int, float] 
     """``logit_bias`` with every token id checked against the model's vocabulary."""
     if not request.logit_bias:
         return None
-    vocab = model.tokenizer.vocab_size()
-    bad = sorted(token for token in request.logit_bias if not 0 <= token < vocab)
-    if bad:
-        raise InvalidRequest(
-            f"logit_bias holds token id(s) {bad[:5]} outside the vocabulary of `{model.name}` "
-            f"(0..{vocab - 1})",
-            param="logit_bias",
-        )
+    prompts.check_vocabulary(request.logit_bias, model, "logit_bias")
     return dict(request.logit_bias)
 
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from gateway.catalog.served_models import ServedModel
 from gateway.catalog.tokenizer import ModelTokenizer
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.serving import translate
 from shared.errors import ChatTemplateError, ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateJob, SamplingOptions, decode, encode
@@ -147,7 +148,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(served_model: ServedModel,
         with pytest.raises(InvalidRequest) as info:
             translate.completion_prompts(completion(prompt=prompt), served_model)
         assert info.value.param == "prompt"
-        assert f"[0, {vocab})" in info.value.message
+        assert f"outside the vocabulary of `tiny` (0..{vocab - 1})" in info.value.message
     assert translate.completion_prompts(completion(prompt=[0, vocab - 1]), served_model) == [
         [0, vocab - 1]
     ]
@@ -306,8 +307,8 @@ def test_chat_logprobs(fields: dict[str, Any], expected: int | None) -> None:
 
 
 def test_unknown_fields_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    log = translate.UnknownFieldLog()
-    with caplog.at_level(logging.INFO, logger="gateway.serving.translate"):
+    log = UnknownFieldLog()
+    with caplog.at_level(logging.INFO, logger="gateway.openai.unknown_fields"):
         log.note(chat(foo=1, bar=2))
         log.note(chat(foo=3))
         log.note(completion(bar=1, baz=2))

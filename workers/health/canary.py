@@ -15,12 +15,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from shared.errors import ConveyorError
-from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
 
-CANARY_PROMPT = [0]
-CANARY_SAMPLING = SamplingOptions(max_tokens=1, temperature=0.0)
 CANARY_TICK_S = 1.0
 CANARY_TIMEOUT_S = 3.0
 

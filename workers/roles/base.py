@@ -16,9 +16,15 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError
+from shared.protocol import SamplingOptions
 from shared.settings import Settings
 from workers.engines.base import EngineAdmin, EngineBase, EngineLoras
 from workers.journal.run_journal import RunJournal, RunLease
+
+PROBE_PROMPT = [0]
+"""What a role's probe (the idle canary) sends: one token id."""
+PROBE_SAMPLING = SamplingOptions(max_tokens=1, temperature=0.0)
+"""One greedy token."""
 
 
 class JobRun(Protocol):

@@ -18,9 +18,8 @@ from shared.protocol import EmbeddingEvent, EmbedJob
 from shared.settings import Settings
 from workers.engines.base import EmbedEngine
 from workers.engines.language import load_embedding_engine
-from workers.health.canary import CANARY_PROMPT
 from workers.journal.run_journal import RunJournal, RunLease
-from workers.roles.base import LoadedRole, Probe, RoleParts
+from workers.roles.base import PROBE_PROMPT, LoadedRole, Probe, RoleParts
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ def probe(engine: EmbedEngine) -> Probe:
     """The canary: embed one token (a pooling engine cannot generate)."""
 
     async def ask(request_id: str) -> None:
-        await engine.embed(request_id, CANARY_PROMPT)
+        await engine.embed(request_id, PROBE_PROMPT)
 
     return ask
 

@@ -51,9 +51,15 @@ from workers.engines.base import (
     StepOutput,
 )
 from workers.engines.language import load_language_engine
-from workers.health.canary import CANARY_PROMPT, CANARY_SAMPLING
 from workers.journal.run_journal import RunJournal, RunLease
-from workers.roles.base import NO_ADAPTERS, LoadedRole, Probe, RoleParts
+from workers.roles.base import (
+    NO_ADAPTERS,
+    PROBE_PROMPT,
+    PROBE_SAMPLING,
+    LoadedRole,
+    Probe,
+    RoleParts,
+)
 from workers.roles.prompt_images import PromptImageLoader
 
 log = logging.getLogger(__name__)
@@ -259,7 +265,7 @@ def probe(engine: GenerateEngine) -> Probe:
     """The canary: one greedy token."""
 
     async def ask(request_id: str) -> None:
-        async for _ in engine.generate(request_id, CANARY_PROMPT, CANARY_SAMPLING):
+        async for _ in engine.generate(request_id, PROBE_PROMPT, PROBE_SAMPLING):
             pass
 
     return ask
