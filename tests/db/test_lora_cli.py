@@ -1,5 +1,5 @@
 """`conveyor lora add|rm|ls` against SQLite and PostgreSQL and the real Redis, with a fake
-adapter worker (tests/gateway/fake_adapter_worker.py) running in a thread of its own."""
+adapter worker (tests/gateway/fake_lora_worker.py) running in a thread of its own."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from conveyor.cli import main
 from shared.queue import names
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
+from tests.gateway.fake_lora_worker import WORKER_ID, FakeLoraWorker
 from tests.support.sql import SqlTarget
 
 pytestmark = pytest.mark.redis

@@ -1,6 +1,6 @@
 """LoRA admin routes and adapter serving, in process: the real gateway (fakeredis, fake
 workers) with the control plane on SQLite and PostgreSQL. A fake adapter worker
-reconciles to the published desired state (tests/gateway/fake_adapter_worker.py)."""
+reconciles to the published desired state (tests/gateway/fake_lora_worker.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gateway.db.engine import Database, transaction
 from shared.queue import names
 from shared.queue.lora_registry import adapter_stream, read_desired
 from shared.roles import Role
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
+from tests.gateway.fake_lora_worker import WORKER_ID, FakeLoraWorker
 from tests.gateway.harness import CHAT, EMBED_MODEL, LiveGateway, error_of, live_gateway
 from tests.support.sql import SqlTarget
 

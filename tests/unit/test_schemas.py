@@ -10,10 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.openai.schemas import (
-    MAX_COMPLETION_LOGPROBS,
     MAX_N,
-    MAX_STOP_SEQUENCES,
-    MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     JsonSchemaSpec,
@@ -38,15 +35,6 @@ def refused(build: Any, **fields: Any) -> ValidationError:
     with pytest.raises(ValidationError) as info:
         build(**fields)
     return info.value
-
-
-def test_limits_match_openai() -> None:
-    assert (MAX_N, MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_STOP_SEQUENCES) == (
-        128,
-        20,
-        5,
-        32,
-    )
 
 
 def test_minimal_requests_and_defaults() -> None:

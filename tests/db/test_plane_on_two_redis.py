@@ -24,7 +24,7 @@ from shared.settings import Settings
 from tests.contract.test_run_journal import STREAM, make_job
 from tests.db.test_ledger import rows
 from tests.db.test_lora_routes import ADMIN, ADMIN_KEY
-from tests.gateway.fake_adapter_worker import WORKER_ID, FakeLoraWorker
+from tests.gateway.fake_lora_worker import WORKER_ID, FakeLoraWorker
 from tests.gateway.harness import CHAT, EMBED_MODEL, USER, live_gateway
 from tests.support.sql import SqlTarget
 
