@@ -190,7 +190,7 @@ def run_up(settings: Settings) -> int:
     if settings.model_redis_map():
         log.error(
             "`conveyor up` runs one Redis: unset CONVEYOR_MODEL_REDIS_URLS (it is for gateways "
-            'whose models\' workers run on other Redis; README "More than one Redis")'
+            'whose models\' workers run on other Redis; see the docs, "More than one Redis")'
         )
         return 2
     redis_process = None

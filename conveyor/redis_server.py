@@ -1,7 +1,7 @@
 """Use the Redis at CONVEYOR_REDIS_URL, or start a private, durable redis-server there.
 
 Only a plain ``redis://`` URL gets a private server: a ``redis+sentinel://`` URL names
-Sentinels and the master they watch, which an operator runs (README "Several hosts").
+Sentinels and the master they watch, which an operator runs (docs/operations/several-hosts.md).
 """
 
 from __future__ import annotations

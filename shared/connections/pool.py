@@ -6,7 +6,7 @@ with "Too many connections" (a burst must queue, never drop work). redis-py's
 scope and its observability hooks on every command, both ways. This pool takes a free
 connection with no await at all and waits, on a future, only when every connection is
 in use: redis-py's whole client CPU per ``GET`` drops by about a third (measured with
-``python -m bench.redis_pool``; README "Measured").
+``python -m bench.redis_pool``; docs/benchmarks.md).
 
 It leaves out what Conveyor does not use: redis-py's connection-count metrics, the
 after-release event (streaming credential re-auth) and maintenance-mode locking.

@@ -51,7 +51,8 @@ class LimitKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Per-key limits, fleet-wide (per Redis when models have their own: README "More than
+    """Per-key limits, fleet-wide (per Redis when models have their own:
+    docs/operations/several-hosts.md "More than
     one Redis"); None means unlimited."""
 
     rpm: int | None = None

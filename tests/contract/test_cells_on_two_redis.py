@@ -124,7 +124,8 @@ async def test_key_limits_count_per_redis_and_settle_where_they_were_taken(cells
     assert await cells.shard.zcard(names.key_concurrency("key-1")) == 1
     with pytest.raises(KeyRateLimited):  # the same Redis: the limit holds
         await shard_cell.dispatcher.submit(_plan(SHARDED_EMBED, one_at_a_time))
-    # another Redis counts on its own: documented (README "More than one Redis")
+    # another Redis counts on its own: documented (docs/operations/several-hosts.md, "More than one
+    # Redis")
     other = await home_cell.dispatcher.submit(_plan(EMBED_MODEL, one_at_a_time))
     assert await cells.home.zcard(names.key_concurrency("key-1")) == 1
 

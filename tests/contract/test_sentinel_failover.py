@@ -3,7 +3,7 @@
 work again on the promoted replica after the master is SIGKILLed.
 
 Fail-over time as Conveyor sees it (SIGKILL to the first command that succeeds) is
-printed; README "Several hosts" quotes it.
+printed; docs/operations/several-hosts.md quotes it.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ async def test_the_pool_stays_bounded_and_blocking(group: SentinelGroup) -> None
 async def test_a_write_the_replica_never_got_is_lost_in_the_fail_over(
     group: SentinelGroup,
 ) -> None:
-    """Replication is asynchronous (README "What a fail-over can lose"): a job the master
+    """Replication is asynchronous (docs/operations/several-hosts.md, "What a fail-over can lose"):
+    a job the master
     admitted while its replica was not reading is gone once that replica is promoted."""
     client = connect(group.url)
     try:
@@ -163,7 +164,8 @@ async def test_a_write_the_replica_never_got_is_lost_in_the_fail_over(
 async def test_min_replicas_to_write_refuses_what_a_fail_over_would_lose(
     group: SentinelGroup,
 ) -> None:
-    """The operator setting README asks for: a master that has not heard from a replica
+    """The operator setting docs/operations/several-hosts.md asks for: a master that has not heard
+    from a replica
     for ``min-replicas-max-lag`` refuses writes (NOREPLICAS, a RedisError: the gateway's
     503) instead of acknowledging a job no replica has."""
     client = connect(group.url)

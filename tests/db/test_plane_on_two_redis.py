@@ -1,4 +1,5 @@
-"""The control plane of a gateway over two Redis (README "More than one Redis"): a model's
+"""The control plane of a gateway over two Redis (docs/operations/several-hosts.md, "More than one
+Redis"): a model's
 usage rows, a dead gateway's requests and the LoRA desired state are handled on the Redis
 the model lives on; the SQL ledger is one."""
 

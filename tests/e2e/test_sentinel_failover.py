@@ -7,7 +7,7 @@ is loaded; the gateway is ``conveyor gateway`` on the generated demo model's tok
 A stream running when the master dies either completes with every token, once and in
 order, or ends with a clean OpenAI-shaped error; new requests succeed once a replica is
 promoted. The stream's longest pause and the time from the SIGKILL to the first answered
-new request are printed (README "Several hosts").
+new request are printed (docs/operations/several-hosts.md).
 """
 
 from __future__ import annotations

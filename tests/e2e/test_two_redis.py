@@ -1,4 +1,4 @@
-"""One gateway over two Redis, end to end (README "More than one Redis").
+"""One gateway over two Redis, end to end (docs/operations/several-hosts.md, "More than one Redis").
 
 The demo chat model's vLLM worker runs on a second Redis (a private redis-server on a
 free port, CONVEYOR_REDIS_URL of that worker only); the embedding worker and the

@@ -8,7 +8,7 @@ queued (fake Redis, a registered fake worker) and end at a 10 ms deadline with a
 
 (schemathesis, run against the same app with 600 generated cases per route and mode,
 found nothing: it does not send NaN literals, huge integers or header strings. These
-strategies do, and found the defects listed in README's "Request limits".)
+strategies do, and found the defects listed in docs/api.md, "Limits".)
 """
 
 from __future__ import annotations

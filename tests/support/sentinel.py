@@ -2,7 +2,7 @@
 (quorum 2), each a ``redis-server`` process on a free loopback port in a folder of its own.
 
 Fail-over is tuned to be quick (``down-after-milliseconds`` 500, ``failover-timeout``
-2000); every node runs with AOF on, as README "Several hosts" asks of an operator.
+2000); every node runs with AOF on, as docs/operations/several-hosts.md asks of an operator.
 """
 
 from __future__ import annotations
