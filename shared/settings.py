@@ -313,7 +313,37 @@ class WorkerSettings(ImageSettings):
     kv_side_channel_host: str = Field(
         "127.0.0.1",
         description="Address decode workers reach this prefill worker's NIXL side channel "
-        "at; `auto`: the address this host's name resolves to (containers, several hosts).",
+        "at; `auto`: this host's address (containers, several hosts): the one its name "
+        "resolves to, or if that is loopback, the one outbound traffic leaves by.",
+    )
+    sglang_tp_size: int = Field(
+        1, ge=1, description="SGLang engines: tensor-parallel size (GPUs per engine)."
+    )
+    sglang_mem_fraction_static: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="SGLang engines: fraction of GPU memory for weights and KV cache "
+        "(SGLang's mem_fraction_static; default: SGLang's own choice).",
+    )
+    sglang_bootstrap_port: int = Field(
+        8998,
+        description="SGLang prefill/decode engines: port of the bootstrap server decode "
+        "engines register with (two prefill workers on one host need different ports).",
+    )
+    sglang_bootstrap_host: str = Field(
+        "auto",
+        description="SGLang prefill workers: address decode workers reach the bootstrap "
+        "server at; `auto`: this host's address, as for CONVEYOR_KV_SIDE_CHANNEL_HOST.",
+    )
+    sglang_transfer_backend: str = Field(
+        "mooncake",
+        description="SGLang prefill/decode engines: KV transfer backend (mooncake or nixl).",
+    )
+    sglang_ib_device: str | None = Field(
+        None,
+        description="SGLang prefill/decode engines: InfiniBand device(s) the KV transfer uses "
+        "(e.g. mlx5_0; default: the backend's choice).",
     )
     cpu_omp_threads_bind: str | None = Field(
         None,

@@ -38,16 +38,18 @@ from hypothesis import strategies as st
 
 from shared.errors import ContextLengthExceeded, EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
-from shared.settings import Settings
+from shared.roles import Role
+from shared.settings import Settings, WorkerSettings
 from workers.engines.base import EngineInfo, StepOutput
-from workers.engines.sglang import engine as sglang_engine
-from workers.engines.sglang.engine import (
-    FAKE_BOOTSTRAP_HOST,
-    SglangEngine,
-    SglangLaunchConfig,
+from workers.engines.host_address import advertised_host, this_host_address
+from workers.engines.sglang import streams as sglang_streams
+from workers.engines.sglang.bootstrap import FAKE_BOOTSTRAP_HOST
+from workers.engines.sglang.engine import SglangEngine
+from workers.engines.sglang.launch import BIND_HOST, SglangLaunchConfig, fit_server_args
+from workers.engines.sglang.liveness import pid_alive
+from workers.engines.sglang.translate import (
     StreamFormat,
     finish_reason,
-    fit_server_args,
     prefill_options,
     sampling_params,
 )
@@ -256,30 +258,30 @@ INFO = EngineInfo(model="llama", max_model_len=FIXTURE["context_len"], handoff_b
 
 
 def make(
-    scenario: str = "greedy_stop_token", *, args: str = "incremental", role: str = "null"
+    scenario: str = "greedy_stop_token", *, args: str = "incremental", role: Role = Role.AGGREGATED
 ) -> tuple[SglangEngine, FakeSglangEngine]:
     fake = FakeSglangEngine(scenario, args=args)
-    adapter = SglangEngine.from_engine(fake, INFO, role=role, bootstrap_host=HOST)  # type: ignore[arg-type]
-    return adapter, fake
+    engine = SglangEngine.from_engine(fake, INFO, role=role, bootstrap_host=HOST)
+    return engine, fake
 
 
 async def collect(
-    adapter: SglangEngine,
+    engine: SglangEngine,
     sampling: SamplingOptions | None = None,
     job_id: str = "req-1/0",
     **kw: Any,
 ) -> list[StepOutput]:
     sampling = sampling or SamplingOptions(max_tokens=16)
     async with asyncio.timeout(5):
-        return [step async for step in adapter.generate(job_id, PROMPT, sampling, **kw)]
+        return [step async for step in engine.generate(job_id, PROMPT, sampling, **kw)]
 
 
-async def until_idle(adapter: SglangEngine) -> None:
+async def until_idle(engine: SglangEngine) -> None:
     """Wait for the aborted streams' pumps; then SGLang holds nothing."""
     async with asyncio.timeout(5):
-        if adapter._background:
-            await asyncio.wait(set(adapter._background))
-    assert adapter.running() == 0
+        if engine._streams._background:
+            await asyncio.wait(set(engine._streams._background))
+    assert engine.running() == 0
 
 
 def joined(steps: list[StepOutput]) -> tuple[list[int], str]:
@@ -443,8 +445,8 @@ def test_sampling_params_only_uses_sglang_fields(options: SamplingOptions) -> No
 
 
 async def test_generate_call_arguments() -> None:
-    adapter, fake = make()
-    await collect(adapter, SamplingOptions(max_tokens=16, top_k=0), job_id="req-9/2")
+    engine, fake = make()
+    await collect(engine, SamplingOptions(max_tokens=16, top_k=0), job_id="req-9/2")
     (call,) = fake.calls
     assert set(call) == {"input_ids", "sampling_params", "stream", "rid"}
     assert call["input_ids"] == PROMPT
@@ -455,17 +457,17 @@ async def test_generate_call_arguments() -> None:
 
 @pytest.mark.parametrize(("k", "top"), [(0, 0), (2, 2), (5, 5)])
 async def test_logprobs_request_arguments(k: int, top: int) -> None:
-    adapter, fake = make("logprobs_top2")
-    await collect(adapter, SamplingOptions(max_tokens=3, logprobs=k))
+    engine, fake = make("logprobs_top2")
+    await collect(engine, SamplingOptions(max_tokens=3, logprobs=k))
     assert fake.calls[0]["return_logprob"] is True
     assert fake.calls[0]["top_logprobs_num"] == top
 
 
 async def test_rids_are_never_prefixes_of_each_other() -> None:
     """SGLang's scheduler aborts every request whose rid *starts with* the aborted rid."""
-    adapter, fake = make()
+    engine, fake = make()
     for job in ("r/1", "r/10", "r/1"):
-        await collect(adapter, job_id=job)
+        await collect(engine, job_id=job)
     rids = [call["rid"] for call in fake.calls]
     assert [rid.split("#")[0] for rid in rids] == ["r/1", "r/10", "r/1"]
     assert len(set(rids)) == 3
@@ -476,14 +478,14 @@ async def test_rids_are_never_prefixes_of_each_other() -> None:
 
 async def test_type_error_from_sglang_is_an_engine_error() -> None:
     """E.g. a keyword the installed release lacks (the fake checks the real signature)."""
-    adapter, fake = make()
+    engine, fake = make()
 
     async def bad(**kwargs: Any) -> Any:
         return await FakeSglangEngine.async_generate(fake, **kwargs, return_text_in_logprobs=True)
 
     fake.async_generate = bad  # type: ignore[method-assign]
     with pytest.raises(EngineError, match="unexpected keyword argument"):
-        await collect(adapter)
+        await collect(engine)
 
 
 # ----------------------------------------------------------------------------- response side
@@ -491,8 +493,8 @@ async def test_type_error_from_sglang_is_an_engine_error() -> None:
 
 @pytest.mark.parametrize("fmt", ["incremental", "cumulative", "legacy_stream_output"])
 async def test_stream_to_deltas(fmt: str) -> None:
-    adapter, _ = make("greedy_stop_token", args=fmt)
-    steps = await collect(adapter)
+    engine, _ = make("greedy_stop_token", args=fmt)
+    steps = await collect(engine)
     recorded = STREAMS["greedy_stop_token"]
     assert joined(steps) == (recorded["expect_ids"], recorded["expect_text"])
     assert [s.token_ids for s in steps] == [[t] for t in recorded["expect_ids"]]
@@ -511,8 +513,8 @@ async def test_incremental_and_cumulative_formats_agree(scenario: str) -> None:
 
 
 async def test_logprobs_with_top_alternatives() -> None:
-    adapter, _ = make("logprobs_top2")
-    steps = await collect(adapter, SamplingOptions(max_tokens=3, logprobs=2))
+    engine, _ = make("logprobs_top2")
+    steps = await collect(engine, SamplingOptions(max_tokens=3, logprobs=2))
     assert [s.finish_reason for s in steps] == [None, None, "length"]
     assert [lp for s in steps for lp in s.logprobs or []] == [
         TokenLogprob(
@@ -531,8 +533,8 @@ async def test_logprobs_with_top_alternatives() -> None:
 
 
 async def test_logprobs_without_alternatives() -> None:
-    adapter, _ = make("logprobs_top2")
-    steps = await collect(adapter, SamplingOptions(max_tokens=3, logprobs=0))
+    engine, _ = make("logprobs_top2")
+    steps = await collect(engine, SamplingOptions(max_tokens=3, logprobs=0))
     logprobs = [lp for s in steps for lp in s.logprobs or []]
     assert [(lp.token_id, lp.token, lp.top) for lp in logprobs] == [
         (12366, " Paris", []),
@@ -542,15 +544,15 @@ async def test_logprobs_without_alternatives() -> None:
 
 
 async def test_stop_string_is_trimmed_by_sglang() -> None:
-    adapter, _ = make("stop_string")
-    steps = await collect(adapter, SamplingOptions(max_tokens=16, stop=(".",)))
+    engine, _ = make("stop_string")
+    steps = await collect(engine, SamplingOptions(max_tokens=16, stop=(".",)))
     assert joined(steps) == ([12366, 13], " Paris")
     assert steps[-1].finish_reason == "stop"
 
 
 async def test_empty_chunks_are_skipped() -> None:
-    adapter, _ = make("idle_tick")
-    steps = await collect(adapter)
+    engine, _ = make("idle_tick")
+    steps = await collect(engine)
     assert len(steps) == 2
     assert joined(steps) == ([12366, 13], " Paris.")
     assert steps[-1].finish_reason == "length"
@@ -598,7 +600,7 @@ def test_abort_finish_reasons() -> None:
 
 
 def test_plan_handoff_only_in_prefill_role() -> None:
-    prefill, _ = make(args="prefill", role="prefill")
+    prefill, _ = make(args="prefill", role=Role.PREFILL)
     first, second = prefill.plan_handoff("j/0"), prefill.plan_handoff("j/0")
     assert first is not None and second is not None
     assert set(first) == {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
@@ -606,14 +608,14 @@ def test_plan_handoff_only_in_prefill_role() -> None:
     assert 0 <= first["bootstrap_room"] < 2**63
     assert first["bootstrap_room"] != second["bootstrap_room"]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(first)) == first  # JSON/msgpack-safe
-    assert make(args="decode", role="decode")[0].plan_handoff("j/0") is None
+    assert make(args="decode", role=Role.DECODE)[0].plan_handoff("j/0") is None
     assert make()[0].plan_handoff("j/0") is None
     assert prefill.info.handoff_before_prefill
 
 
 async def test_bootstrap_room_flow_decode_first() -> None:
-    prefill, prefill_fake = make("prefill_done", args="prefill", role="prefill")
-    decode, decode_fake = make("decode_from_room", args="decode", role="decode")
+    prefill, prefill_fake = make("prefill_done", args="prefill", role=Role.PREFILL)
+    decode, decode_fake = make("decode_from_room", args="decode", role=Role.DECODE)
     sampling = SamplingOptions(max_tokens=32, min_tokens=4, temperature=0.6, logprobs=1)
 
     handoff = prefill.plan_handoff("req-7/0")
@@ -642,8 +644,8 @@ async def test_bootstrap_room_flow_decode_first() -> None:
 
 
 async def test_prefill_plans_a_room_when_none_is_given() -> None:
-    prefill, fake = make("prefill_done", args="prefill", role="prefill")
-    decode, _ = make("decode_from_room", args="decode", role="decode")
+    prefill, fake = make("prefill_done", args="prefill", role=Role.PREFILL)
+    decode, _ = make("decode_from_room", args="decode", role=Role.DECODE)
     sampling = SamplingOptions(max_tokens=4)
     task = asyncio.create_task(prefill.prefill("j/0", PROMPT, sampling))
     await asyncio.sleep(0.01)
@@ -660,7 +662,7 @@ async def test_prefill_plans_a_room_when_none_is_given() -> None:
 
 
 async def test_decode_with_unknown_prefill_fails_as_engine_error() -> None:
-    decode, _ = make("decode_from_room", args="decode", role="decode")
+    decode, _ = make("decode_from_room", args="decode", role=Role.DECODE)
     handoff = {"bootstrap_host": "10.9.9.9", "bootstrap_port": PORT, "bootstrap_room": 7}
     with pytest.raises(EngineError, match="transfer failed") as info:
         await collect(decode, handoff=handoff)
@@ -668,7 +670,7 @@ async def test_decode_with_unknown_prefill_fails_as_engine_error() -> None:
 
 
 async def test_prefill_transfer_failure_raises() -> None:
-    prefill, fake = make("kv_transfer_failed", args="prefill", role="prefill")
+    prefill, fake = make("kv_transfer_failed", args="prefill", role=Role.PREFILL)
     fake.server_args.disaggregation_mode = "null"  # no decode peer: play the recorded failure
     with pytest.raises(EngineError, match="Decode transfer failed"):
         await prefill.prefill("j/0", PROMPT, SamplingOptions(max_tokens=4))
@@ -677,8 +679,8 @@ async def test_prefill_transfer_failure_raises() -> None:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_handoffless_generate_uses_fake_transfer(role: str) -> None:
     """The canary's path: Dynamo's disaggregated health check payload."""
-    adapter, fake = make("greedy_stop_token", args=role, role=role)
-    steps = await collect(adapter, SamplingOptions(max_tokens=1, temperature=0.0))
+    engine, fake = make("greedy_stop_token", args=role, role=Role(role))
+    steps = await collect(engine, SamplingOptions(max_tokens=1, temperature=0.0))
     assert steps[-1].finish_reason == "stop"
     call = fake.calls[0]
     assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == (
@@ -690,7 +692,7 @@ async def test_handoffless_generate_uses_fake_transfer(role: str) -> None:
 
 async def test_handoff_misuse() -> None:
     aggregated, _ = make()
-    decode, _ = make(args="decode", role="decode")
+    decode, _ = make(args="decode", role=Role.DECODE)
     good = {"bootstrap_host": HOST, "bootstrap_port": PORT, "bootstrap_room": 1}
     with pytest.raises(EngineError, match="got a KV handoff"):
         await collect(aggregated, handoff=good)
@@ -701,7 +703,7 @@ async def test_handoff_misuse() -> None:
     ):
         with pytest.raises(EngineError, match="malformed SGLang handoff"):
             await collect(decode, handoff=bad)
-    with pytest.raises(EngineError, match="role 'null'"):
+    with pytest.raises(EngineError, match="role 'aggregated'"):
         await aggregated.prefill("j/0", PROMPT, SamplingOptions(max_tokens=1))
 
 
@@ -709,13 +711,13 @@ async def test_handoff_misuse() -> None:
 
 
 async def _first_steps(
-    adapter: SglangEngine, job: str, n: int
+    engine: SglangEngine, job: str, n: int
 ) -> tuple[asyncio.Task[Any], list[StepOutput]]:
     got: list[StepOutput] = []
     ready = asyncio.Event()
 
     async def consume() -> list[StepOutput]:
-        async for step in adapter.generate(job, PROMPT, SamplingOptions(max_tokens=16)):
+        async for step in engine.generate(job, PROMPT, SamplingOptions(max_tokens=16)):
             got.append(step)
             if len(got) == n:
                 ready.set()
@@ -731,42 +733,42 @@ async def _first_steps(
 
 
 async def test_cancelling_the_consumer_aborts_the_rid() -> None:
-    adapter, fake = make("aborted_while_running")
-    task, got = await _first_steps(adapter, "req-3/0", 2)
+    engine, fake = make("aborted_while_running")
+    task, got = await _first_steps(engine, "req-3/0", 2)
     rid = fake.calls[0]["rid"]
-    assert adapter.running() == 1
+    assert engine.running() == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     # abort_request reached SGLang while it still held the rid; SGLang then ends the stream
     assert fake.tokenizer_manager.abort_calls == [(rid, True)]
-    await until_idle(adapter)
+    await until_idle(engine)
     assert joined(got) == ([12366, 13], " Paris.")
 
 
 async def test_closing_the_stream_early_aborts() -> None:
-    adapter, fake = make("aborted_while_running")
-    stream = adapter.generate("req-4/0", PROMPT, SamplingOptions(max_tokens=16))
+    engine, fake = make("aborted_while_running")
+    stream = engine.generate("req-4/0", PROMPT, SamplingOptions(max_tokens=16))
     async with asyncio.timeout(5):
         first = await anext(stream)
         await stream.aclose()
     assert first.token_ids == [12366]
     assert fake.tokenizer_manager.abort_calls == [(fake.calls[0]["rid"], True)]
-    await until_idle(adapter)
+    await until_idle(engine)
 
 
 async def test_abort_is_repeated_until_sglang_holds_the_rid(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sglang_engine, "ABORT_RETRY_S", 0.01)
-    adapter, fake = make("aborted_while_running")
+    monkeypatch.setattr(sglang_streams, "ABORT_RETRY_S", 0.01)
+    engine, fake = make("aborted_while_running")
     fake.register_delay_s = 0.05
-    task = asyncio.create_task(collect(adapter, job_id="req-11/0"))
+    task = asyncio.create_task(collect(engine, job_id="req-11/0"))
     await asyncio.sleep(0.01)  # the request is in SGLang's hands, rid not registered yet
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until_idle(adapter)
+    await until_idle(engine)
     rid = fake.calls[0]["rid"]
     calls = fake.tokenizer_manager.abort_calls
     assert calls[0] == (rid, False)  # dropped: SGLang did not hold the rid yet
@@ -775,34 +777,34 @@ async def test_abort_is_repeated_until_sglang_holds_the_rid(
 
 
 async def test_stream_that_ignores_the_abort_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sglang_engine, "ABORT_RETRY_S", 0.01)
-    monkeypatch.setattr(sglang_engine, "STREAM_DRAIN_TIMEOUT_S", 0.05)
-    adapter, fake = make("aborted_while_running")
+    monkeypatch.setattr(sglang_streams, "ABORT_RETRY_S", 0.01)
+    monkeypatch.setattr(sglang_streams, "STREAM_DRAIN_TIMEOUT_S", 0.05)
+    engine, fake = make("aborted_while_running")
     fake.tokenizer_manager.ignore_aborts = True
-    task, _ = await _first_steps(adapter, "req-12/0", 1)
+    task, _ = await _first_steps(engine, "req-12/0", 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until_idle(adapter)  # closed after the deadline; SGLang dropped the state
+    await until_idle(engine)  # closed after the deadline; SGLang dropped the state
     assert len(fake.tokenizer_manager.abort_calls) > 1
 
 
 async def test_abort_ends_the_stream_with_abort() -> None:
-    adapter, fake = make("aborted_while_running")
-    task, _ = await _first_steps(adapter, "req-5/0", 2)
-    await adapter.abort("req-5/0")
+    engine, fake = make("aborted_while_running")
+    task, _ = await _first_steps(engine, "req-5/0", 2)
+    await engine.abort("req-5/0")
     async with asyncio.timeout(5):
         steps = await task
     assert [s.finish_reason for s in steps] == [None, None, "abort"]
     assert joined(steps) == ([12366, 13, 578], " Paris. The")  # the step in flight still counts
     assert fake.tokenizer_manager.abort_calls == [(fake.calls[0]["rid"], True)]
-    assert adapter.running() == 0
+    assert engine.running() == 0
 
 
 async def test_abort_in_waiting_queue() -> None:
-    adapter, _ = make("aborted_in_waiting_queue")
-    task, _ = await _first_steps(adapter, "req-6/0", 0)
-    await adapter.abort("req-6/0")
+    engine, _ = make("aborted_in_waiting_queue")
+    task, _ = await _first_steps(engine, "req-6/0", 0)
+    await engine.abort("req-6/0")
     async with asyncio.timeout(5):
         (step,) = await task
     assert step == StepOutput([], "", None, "abort", len(PROMPT))
@@ -810,9 +812,9 @@ async def test_abort_in_waiting_queue() -> None:
 
 async def test_abort_echo_does_not_repeat_text_or_tokens() -> None:
     """_handle_abort_req sends the whole text and the last token again."""
-    adapter, _ = make("abort_echo_after_tokens")
-    task, _ = await _first_steps(adapter, "req-8/0", 2)
-    await adapter.abort("req-8/0")
+    engine, _ = make("abort_echo_after_tokens")
+    task, _ = await _first_steps(engine, "req-8/0", 2)
+    await engine.abort("req-8/0")
     async with asyncio.timeout(5):
         steps = await task
     assert joined(steps) == ([12366, 13], " Paris.")
@@ -820,49 +822,49 @@ async def test_abort_echo_does_not_repeat_text_or_tokens() -> None:
 
 
 async def test_abort_of_unknown_or_finished_job_is_a_no_op() -> None:
-    adapter, fake = make()
-    await adapter.abort("nobody/0")
-    await collect(adapter, job_id="done/0")
-    await adapter.abort("done/0")
+    engine, fake = make()
+    await engine.abort("nobody/0")
+    await collect(engine, job_id="done/0")
+    await engine.abort("done/0")
     assert fake.tokenizer_manager.abort_calls == []
 
 
 async def test_finished_stream_is_not_aborted() -> None:
-    adapter, fake = make()
-    await collect(adapter)
+    engine, fake = make()
+    await collect(engine)
     assert fake.tokenizer_manager.abort_calls == []
-    assert adapter.running() == 0
+    assert engine.running() == 0
 
 
 # ----------------------------------------------------------------------------- errors
 
 
 async def test_context_length_error_is_invalid_request() -> None:
-    adapter, _ = make()
+    engine, _ = make()
     with pytest.raises(ContextLengthExceeded, match="maximum context length of 8192"):
-        await collect(adapter, SamplingOptions(max_tokens=8190))
+        await collect(engine, SamplingOptions(max_tokens=8190))
 
 
 async def test_sampling_validation_error_is_invalid_request() -> None:
-    adapter, fake = make()
+    engine, fake = make()
     with pytest.raises(InvalidRequest, match="top_p must be in"):
-        await collect(adapter, SamplingOptions(max_tokens=8, top_p=0.0))
+        await collect(engine, SamplingOptions(max_tokens=8, top_p=0.0))
     assert fake.tokenizer_manager.abort_calls == []
 
 
 async def test_rejected_in_band_is_invalid_request() -> None:
-    adapter, _ = make("grammar_rejected")
+    engine, _ = make("grammar_rejected")
     with pytest.raises(InvalidRequest, match="Failed to compile the grammar"):
-        await collect(adapter, SamplingOptions(max_tokens=8, json_schema='{"type": 1}'))
+        await collect(engine, SamplingOptions(max_tokens=8, json_schema='{"type": 1}'))
 
 
 async def test_engine_failure_while_alive_is_engine_error() -> None:
-    adapter, fake = make()
+    engine, fake = make()
     fake.raise_on_first_chunk = RuntimeError("zmq socket closed")
     with pytest.raises(EngineError, match="zmq socket closed") as info:
-        await collect(adapter)
+        await collect(engine)
     assert not isinstance(info.value, EngineDead)
-    await adapter.check_health()
+    await engine.check_health()
 
 
 def _dead_pid() -> int:
@@ -872,21 +874,21 @@ def _dead_pid() -> int:
 
 
 async def test_engine_failure_with_dead_scheduler_is_engine_dead() -> None:
-    adapter, fake = make()
+    engine, fake = make()
     fake.child_pids.append(_dead_pid())
     fake.raise_on_first_chunk = RuntimeError("zmq socket closed")
     with pytest.raises(EngineDead):
-        await collect(adapter)
+        await collect(engine)
     with pytest.raises(EngineDead):
-        await adapter.check_health()
+        await engine.check_health()
 
 
 async def test_check_health() -> None:
-    adapter, fake = make()
-    await adapter.check_health()
+    engine, fake = make()
+    await engine.check_health()
     fake.tokenizer_manager.gracefully_exit = True
     with pytest.raises(EngineDead):
-        await adapter.check_health()
+        await engine.check_health()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
@@ -899,28 +901,29 @@ def test_zombie_child_counts_as_dead() -> None:
             if state == "Z":
                 break
             time.sleep(0.01)
-        assert not sglang_engine._pid_alive(proc.pid)
+        assert not pid_alive(proc.pid)
     finally:
         proc.wait()
-    assert sglang_engine._pid_alive(os.getpid())
-    assert not sglang_engine._pid_alive(proc.pid)
+    assert pid_alive(os.getpid())
+    assert not pid_alive(proc.pid)
 
 
 # ----------------------------------------------------------------------------- lifecycle and config
 
 
 def test_handle_loop_started_on_attach_and_shutdown_once() -> None:
-    adapter, fake = make()
+    engine, fake = make()
     assert fake.tokenizer_manager.handle_loop_started == 1
-    adapter.shutdown()
-    adapter.shutdown()
+    engine.shutdown()
+    engine.shutdown()
     assert fake.shutdowns == 1
 
 
 @pytest.mark.parametrize(
-    ("role", "mode"), [("aggregated", "null"), ("prefill", "prefill"), ("decode", "decode")]
+    ("role", "mode"),
+    [(Role.AGGREGATED, "null"), (Role.PREFILL, "prefill"), (Role.DECODE, "decode")],
 )
-def test_launch_config_from_settings(role: str, mode: str) -> None:
+def test_launch_config_from_settings(role: Role, mode: str) -> None:
     config = SglangLaunchConfig.from_settings(
         Settings(role=role, max_model_len=4096, dtype="bfloat16", worker_max_slots=32)
     )
@@ -942,9 +945,9 @@ def test_launch_config_from_settings(role: str, mode: str) -> None:
         assert kwargs["host"] == "0.0.0.0"
 
 
-def test_launch_config_reads_proposed_settings_fields() -> None:
-    extra = SimpleNamespace(
-        role=SimpleNamespace(value="prefill"),
+def test_launch_config_reads_the_sglang_settings() -> None:
+    settings = WorkerSettings(
+        role=Role.PREFILL,
         max_model_len=None,
         dtype="auto",
         worker_max_slots=8,
@@ -956,7 +959,7 @@ def test_launch_config_reads_proposed_settings_fields() -> None:
         sglang_tp_size=4,
         sglang_mem_fraction_static=0.8,
     )
-    config = SglangLaunchConfig.from_settings(extra)  # type: ignore[arg-type]
+    config = SglangLaunchConfig.from_settings(settings)
     kwargs = config.engine_kwargs("m", "m")
     assert config.bootstrap_host == "10.1.2.3"
     assert kwargs["disaggregation_bootstrap_port"] == 9100
@@ -966,6 +969,14 @@ def test_launch_config_reads_proposed_settings_fields() -> None:
     assert kwargs["mem_fraction_static"] == 0.8
     assert kwargs["constrained_json_disable_any_whitespace"] is False
     assert "context_length" not in kwargs
+
+
+def test_sglang_settings_defaults_leave_sglang_its_own() -> None:
+    kwargs = SglangLaunchConfig.from_settings(WorkerSettings()).engine_kwargs("m", "m")
+    assert kwargs["tp_size"] == 1
+    assert "mem_fraction_static" not in kwargs
+    assert "disaggregation_ib_device" not in kwargs
+    assert SglangLaunchConfig.from_settings(WorkerSettings()).bootstrap_host == "auto"
 
 
 def test_fit_server_args_for_older_sglang() -> None:
@@ -980,9 +991,12 @@ def test_fit_server_args_for_older_sglang() -> None:
     assert new == kwargs
 
 
-def test_default_bootstrap_host() -> None:
-    assert sglang_engine._default_bootstrap_host("192.168.1.7") == "192.168.1.7"
-    assert sglang_engine._default_bootstrap_host("0.0.0.0")
+def test_bootstrap_host_follows_the_host_address_rule() -> None:
+    """The same rule as vLLM's side channel: configured, else a specific bind address,
+    else this host's address (tests/unit/test_host_address.py)."""
+    assert advertised_host("10.1.2.3", bind_host="192.168.1.7") == "10.1.2.3"
+    assert advertised_host("auto", bind_host="192.168.1.7") == "192.168.1.7"
+    assert advertised_host("auto", bind_host=BIND_HOST) == this_host_address()
 
 
 # ----------------------------------------------------------------------------- real SGLang

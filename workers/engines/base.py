@@ -5,9 +5,9 @@ offers is a capability of its own: :class:`GenerateEngine` (stream a sequence's
 tokens), :class:`PrefillEngine` (compute a prompt's KV cache for a remote
 decode), :class:`EmbedEngine` (pooling) and :class:`EncodeEngine` (a vision
 encoder). A worker role asks for the capability it needs (see
-:mod:`workers.roles.table`), so no adapter stubs a method just to raise.
+:mod:`workers.roles.table`), so no engine stubs a method just to raise.
 
-Adapters translate foreign exceptions at this boundary into
+Engines translate foreign exceptions at this boundary into
 :mod:`shared.errors` (``EngineDead`` when the engine cannot serve any more,
 ``EngineError`` / ``InvalidRequest`` when one request failed).
 

@@ -10,7 +10,7 @@ from workers.engines.base import EmbedEngine, PrefillEngine
 
 
 def load_language_engine(settings: Settings, model_path: str, served_name: str) -> PrefillEngine:
-    """An engine that generates and, in a prefill role, prefills (both adapters do both)."""
+    """An engine that generates and, in a prefill role, prefills (both engines do both)."""
     if settings.engine is EngineKind.SGLANG:
         from workers.engines.sglang.engine import SglangEngine
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from shared.cpu_cores import available_cores, cores_spec, engine_core_slices, parse_cores
 from shared.settings import Role, Settings
+from workers.engines.host_address import advertised_host
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,10 @@ def _set_nixl_environment(settings: Settings) -> None:
 
 
 def side_channel_host(settings: Settings) -> str:
-    """`auto` is the address this host's name resolves to: a container's own address on its
-    network, where a decode worker in another container (or on another host) reaches it."""
-    if settings.kv_side_channel_host != "auto":
-        return settings.kv_side_channel_host
-    return socket.gethostbyname(socket.gethostname())
+    """Where decode workers reach this prefill worker's NIXL side channel: the configured
+    address, or with `auto` this host's address (:mod:`workers.engines.host_address`; in a
+    container, its own address on its network)."""
+    return advertised_host(settings.kv_side_channel_host)
 
 
 def engine_cores(settings: Settings) -> list[int]:
