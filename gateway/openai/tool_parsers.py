@@ -7,7 +7,10 @@ complete). What it returns for a prefix of the text is always a prefix of what i
 returns for the whole (content, each call's name and arguments): the streaming
 differ (:mod:`gateway.openai.output_parsing`) sends only the growth, so a stream, however it
 is chunked, adds up to the non-streamed answer. Arguments are the raw text of the
-model's JSON value, sent as it arrives.
+model's JSON value, sent as it arrives. A parse of text that may grow says where it
+ends in an open tail (:class:`gateway.openai.open_tail.OpenTail`): content or arguments
+that the next deltas extend verbatim, so a stream need not parse the whole text again
+for each token.
 
 Why not vLLM's own parsers (``vllm.tool_parsers``): importing one takes ~20 s and
 loads torch and transformers (checked: ``"torch" in sys.modules`` after
@@ -23,9 +26,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.openai.json_scan import skip_whitespace, value_end
+from gateway.openai.open_tail import OpenTail, hold_tag_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,8 @@ class CallText:
 class ToolParse:
     content: str
     calls: tuple[CallText, ...] = ()
+    tail: OpenTail | None = field(default=None, compare=False)
+    """Not final: where the text goes on verbatim (None: nowhere known)."""
 
 
 ToolParser = Callable[[str, bool], ToolParse]
@@ -53,21 +59,21 @@ _HEADER = re.compile(
 )
 
 
-def hold_tag_prefix(text: str, tag: str) -> str:
-    """``text`` without a trailing partial ``tag`` (which may yet become the tag)."""
-    position = text.find(tag[0], max(len(text) - len(tag) + 1, 0))
-    while position >= 0:
-        if tag.startswith(text[position:]):
-            return text[:position]
-        position = text.find(tag[0], position + 1)
-    return text
-
-
 def tidy_content(content: str, final: bool, has_calls: bool) -> str:
     """Content without surrounding whitespace: trailing whitespace waits (it may sit
     between text and a call) and is dropped at the end when calls were made."""
     content = content.lstrip()
     return content.rstrip() if not final or has_calls else content
+
+
+def content_tail(start: int, final: bool, stop_tag: str = "") -> OpenTail | None:
+    """Tidied content from ``start`` on (see :func:`tidy_content`)."""
+    return None if final else OpenTail(start, "content", stop_tag, strip=True)
+
+
+def arguments_tail(start: int | None, final: bool, stop_tag: str = "") -> OpenTail | None:
+    """The last call's unfinished JSON arguments from ``start`` on."""
+    return None if final or start is None else OpenTail(start, "arguments", stop_tag, json=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,8 @@ class _Object:
     """None: no name yet (or the object is not a call)."""
     end: int | None
     """Index past the object; None while it is unfinished."""
+    open_arguments: int | None = None
+    """Where the call's arguments start while their value is unfinished."""
 
 
 def _call_object(text: str, start: int) -> _Object:
@@ -89,7 +97,8 @@ def _call_object(text: str, start: int) -> _Object:
         args_start = header.end()
         args_end = value_end(text, args_start)
         arguments = text[args_start : len(text) if args_end is None else args_end]
-        return _Object(CallText(name, arguments), end)
+        open_arguments = args_start if args_end is None else None
+        return _Object(CallText(name, arguments), end, open_arguments)
     if end is None:
         return _Object(None, None)
     try:
@@ -115,11 +124,13 @@ def hermes(text: str, final: bool) -> ToolParse:
     content: list[str] = []
     calls: list[CallText] = []
     position = 0
+    tail: OpenTail | None = None
     while True:
         start = text.find(TOOL_CALL_START, position)
         if start < 0:
             rest = text[position:]
             content.append(rest if final else hold_tag_prefix(rest, TOOL_CALL_START))
+            tail = content_tail(position, final, TOOL_CALL_START)
             break
         content.append(text[position:start])
         close = text.find(TOOL_CALL_END, start)
@@ -133,9 +144,11 @@ def hermes(text: str, final: bool) -> ToolParse:
         elif closed:  # not a call after all: its text is content
             content.append(text[start : close + len(TOOL_CALL_END) if close >= 0 else len(text)])
         if close < 0:
+            if parsed.call is not None:
+                tail = arguments_tail(parsed.open_arguments, final, TOOL_CALL_END)
             break
         position = close + len(TOOL_CALL_END)
-    return ToolParse(tidy_content("".join(content), final, bool(calls)), tuple(calls))
+    return ToolParse(tidy_content("".join(content), final, bool(calls)), tuple(calls), tail)
 
 
 def llama3_json(text: str, final: bool) -> ToolParse:
@@ -147,25 +160,29 @@ def llama3_json(text: str, final: bool) -> ToolParse:
     elif not final and PYTHON_TAG.startswith(text[position:]):
         return ToolParse("")
     if position >= len(text) or text[position] != "{":
-        return ToolParse(tidy_content(text[position:], final, False))
+        content = tidy_content(text[position:], final, False)
+        return ToolParse(content, (), content_tail(position, final))
     calls: list[CallText] = []
     while position < len(text):
         parsed = _call_object(text, position)
         if parsed.call is None:
-            rest = text[position:] if parsed.end is not None or final else ""
-            return ToolParse(tidy_content(rest, final, bool(calls)), tuple(calls))
+            if parsed.end is None and not final:
+                return ToolParse("", tuple(calls))
+            content = tidy_content(text[position:], final, bool(calls))
+            return ToolParse(content, tuple(calls), content_tail(position, final))
         calls.append(parsed.call)
         if parsed.end is None:
-            break
+            return ToolParse("", tuple(calls), arguments_tail(parsed.open_arguments, final))
         position = skip_whitespace(text, parsed.end)
         if text.startswith(";", position):
             position = skip_whitespace(text, position + 1)
         if position < len(text) and text[position] != "{":
-            return ToolParse(tidy_content(text[position:], final, True), tuple(calls))
+            content = tidy_content(text[position:], final, True)
+            return ToolParse(content, tuple(calls), content_tail(position, final))
     return ToolParse("", tuple(calls))
 
 
-def call_array(text: str, start: int) -> tuple[CallText, ...]:
+def call_array(text: str, start: int, final: bool, content: str = "") -> ToolParse:
     """``[{"name": ..., "arguments"|"parameters": ...}, ...]`` at ``text[start]``:
     the calls so far (the output of ``tool_choice: "required"``, and Mistral's)."""
     calls: list[CallText] = []
@@ -176,11 +193,12 @@ def call_array(text: str, start: int) -> tuple[CallText, ...]:
             break
         calls.append(parsed.call)
         if parsed.end is None:
-            break
+            tail = arguments_tail(parsed.open_arguments, final)
+            return ToolParse(content, tuple(calls), tail)
         position = skip_whitespace(text, parsed.end)
         if text.startswith(",", position):
             position = skip_whitespace(text, position + 1)
-    return tuple(calls)
+    return ToolParse(content, tuple(calls))
 
 
 def required(text: str, final: bool) -> ToolParse:
@@ -188,14 +206,15 @@ def required(text: str, final: bool) -> ToolParse:
     start = skip_whitespace(text, 0)
     if start >= len(text) or text[start] != "[":
         return ToolParse("")
-    return ToolParse("", call_array(text, start))
+    return call_array(text, start, final)
 
 
 def named(name: str) -> ToolParser:
     """A named ``tool_choice``: the grammar makes the whole output that call's arguments."""
 
     def parse(text: str, final: bool) -> ToolParse:
-        return ToolParse("", (CallText(name, tidy_content(text, final, True)),))
+        tail = None if final else OpenTail(0, "arguments", strip=True)
+        return ToolParse("", (CallText(name, tidy_content(text, final, True)),), tail)
 
     return parse
 
@@ -205,14 +224,16 @@ def mistral(text: str, final: bool) -> ToolParse:
     ``[TOOL_CALLS]name[ARGS]{...}`` (v11+), after any content."""
     tag = text.find(MISTRAL_TOOL_CALLS)
     if tag < 0:
-        return ToolParse(
-            tidy_content(text if final else hold_tag_prefix(text, MISTRAL_TOOL_CALLS), final, False)
+        content = tidy_content(
+            text if final else hold_tag_prefix(text, MISTRAL_TOOL_CALLS), final, False
         )
+        return ToolParse(content, (), content_tail(0, final, MISTRAL_TOOL_CALLS))
     content = tidy_content(text[:tag], final, True)
     position = skip_whitespace(text, tag + len(MISTRAL_TOOL_CALLS))
     if text.startswith("[", position) and not text.startswith(MISTRAL_ARGS, position):
-        return ToolParse(content, call_array(text, position))
+        return call_array(text, position, final, content)
     calls: list[CallText] = []
+    tail: OpenTail | None = None
     while True:
         args_tag = text.find(MISTRAL_ARGS, position)
         if args_tag < 0:
@@ -222,11 +243,14 @@ def mistral(text: str, final: bool) -> ToolParse:
         args_end = value_end(text, args_start)
         arguments = text[args_start : len(text) if args_end is None else args_end]
         calls.append(CallText(name, arguments))
-        next_tag = -1 if args_end is None else text.find(MISTRAL_TOOL_CALLS, args_end)
+        if args_end is None:
+            tail = arguments_tail(args_start, final)
+            break
+        next_tag = text.find(MISTRAL_TOOL_CALLS, args_end)
         if next_tag < 0:
             break
         position = next_tag + len(MISTRAL_TOOL_CALLS)
-    return ToolParse(content, tuple(calls))
+    return ToolParse(content, tuple(calls), tail)
 
 
 PARSERS: dict[str, ToolParser] = {
