@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import uuid
+from typing import NoReturn
 
 import uvloop
 
@@ -82,10 +83,22 @@ async def serve(settings: Settings) -> int:
     return 1 if runtime.engine_dead or runtime.journal_failed else 0
 
 
-def run_worker(settings: Settings) -> int:
+def run_worker(settings: Settings) -> NoReturn:
     # uvloop, as vLLM's own server runs AsyncLLM: less CPU per token beside the engine.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(settings))
+        code = runner.run(serve(settings))
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's finalization: its full garbage collection of a heap
+    holding torch and vLLM takes seconds (gc.freeze() would skip it, but then nanobind
+    lists every Triton object it finds alive at exit). The engine is shut down and the
+    worker has left the registry by now; of the exit handlers, only flushing logs matters."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -95,4 +108,4 @@ def _one_line(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(Settings()))
+    run_worker(Settings())
