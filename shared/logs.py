@@ -62,6 +62,8 @@ class ConsoleRule(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if is_own(record.name):
             return record.levelno >= self.level
+        if record.name == "py.warnings":  # "file:line: Category: text\n  source line\n"
+            record.msg = str(record.msg).split("\n", 1)[0]
         if self.level <= logging.DEBUG or record.levelno > logging.WARNING:
             return True
         if record.levelno < logging.WARNING or _expected(record):
