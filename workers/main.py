@@ -4,6 +4,7 @@ worker loop until SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
@@ -91,11 +92,11 @@ def run_worker(settings: Settings) -> NoReturn:
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Exit without the interpreter's finalization: its full garbage collection of a heap
-    holding torch and vLLM takes seconds (gc.freeze() would skip it, but then nanobind
-    lists every Triton object it finds alive at exit). The engine is shut down and the
-    worker has left the registry by now; of the exit handlers, only flushing logs matters."""
-    logging.shutdown()
+    """Exit as the interpreter would, less its finalization: the full garbage collection of
+    a heap holding torch and vLLM takes seconds (gc.freeze() would skip it, but then
+    nanobind lists every Triton object it finds alive at exit). The exit handlers still
+    run: logging flushes, multiprocessing releases its semaphores."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

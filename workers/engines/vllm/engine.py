@@ -75,6 +75,7 @@ class VllmEngine:
             **vllm_lora.engine_args(settings, model_path),
         )
         self.prompt_stats = PromptTokenStats()
+        _start_quiet_resource_tracker()
         self._llm = AsyncLLM.from_engine_args(
             args,
             stat_loggers=None if kv_transfer is None else [_prompt_stats_logger(self.prompt_stats)],
@@ -169,6 +170,24 @@ class VllmEngine:
     def shutdown(self) -> None:
         """Called once the worker has drained: nothing runs in the engine any more."""
         self._llm.shutdown(timeout=ENGINE_TEARDOWN_S)
+
+
+def _start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before vLLM does (for its engine core),
+    without its "leaked semaphore objects" warning: the engine core, killed after
+    ENGINE_TEARDOWN_S, leaves one, which the tracker then releases as it should."""
+    from multiprocessing import resource_tracker
+
+    previous = os.environ.get("PYTHONWARNINGS")
+    quiet = "ignore:resource_tracker:UserWarning"
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
 
 
 def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
