@@ -105,13 +105,14 @@ class _NoProbeAccessLog(logging.Filter):
         return "GET /ready " not in message and "GET /health " not in message
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _setup_logging(level: str, data_dir: Path | None = None) -> Path | None:
+    """shared.logs: Conveyor's lines on the console, engines' and libraries' INFO in a file."""
+    from shared.logs import setup_logging
+
+    file = setup_logging(level, data_dir)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the ready poll, every 0.5 s
     logging.getLogger("uvicorn.access").addFilter(_NoProbeAccessLog())
+    return file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,13 +133,17 @@ def main(argv: list[str] | None = None) -> int:
 
         _setup_logging("WARNING")  # stdout carries the answer; a secret on its last line
         return run_admin(args, settings)
-    _setup_logging(settings.log_level)
+    log_file = _setup_logging(settings.log_level, settings.data_dir)
     if args.command == "gateway":
         return run_gateway(with_model(settings))
     if args.command == "worker":
         from workers.main import run_worker
 
         return run_worker(settings if settings.role is Role.EMBED else with_model(settings))
+    log.info(
+        "engine and library logs: %s (warnings show here too; --log-level debug shows all)",
+        log_file,
+    )
     return run_up(settings)
 
 

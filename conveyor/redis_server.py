@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from redis.exceptions import RedisError
 
+from conveyor.supervisor import die_with_parent
 from shared.connections.url import is_sentinel_url, parse_sentinel_url, sync_client
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,11 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
         str(folder / "redis.log"),
         *DURABLE_OPTIONS,
     ]
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    # Its own session, like the other children: Ctrl-C reaches `up` alone, and `up` stops
+    # Redis last, once the workers have left the registry through it.
+    process = subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if redis_answers(url, 0.2):

@@ -21,11 +21,12 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 MAX_BACKOFF_S = 30.0
+STOP_CHECK_S = 0.05
 EXIT_CONFIG_ERROR = 2
 """A child that exits with this code cannot start as configured: restarting is pointless."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -50,7 +51,7 @@ class Child:
             self.command,
             env=self.env,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             start_new_session=True,
         )
         self.started_monotonic = time.monotonic()
@@ -71,6 +72,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._grace_s = grace_s
         self._stopping = False
+        self._stopped = False
         self.exit_code = 0
 
     def add(self, child: Child) -> None:
@@ -89,9 +91,16 @@ class Supervisor:
                 self._check(child)
             if tick is not None:
                 tick()
-            time.sleep(poll_s)
+            self._sleep(poll_s)
         self.stop_all()
         return self.exit_code
+
+    def _sleep(self, seconds: float) -> None:
+        """In short naps: a signal does not cut a sleep short, and Ctrl-C should act now.
+        (threading.Event is not safe to set from a signal handler.)"""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < deadline:
+            time.sleep(STOP_CHECK_S)
 
     def _check(self, child: Child) -> None:
         if child.alive():
@@ -121,6 +130,10 @@ class Supervisor:
             child.start()
 
     def stop_all(self) -> None:
+        """SIGTERM every child, SIGKILL those still up after the grace period; once."""
+        if self._stopped:
+            return
+        self._stopped = True
         processes = [(c.name, c.process) for c in self.children if c.process and c.alive()]
         for _, process in processes:
             with contextlib.suppress(ProcessLookupError):

@@ -30,6 +30,7 @@ def uvicorn_config(settings: GatewaySettings) -> uvicorn.Config:
         create_app(settings),
         host=settings.host,
         port=settings.port,
+        log_config=None,  # its loggers propagate: shared.logs routes them (INFO to the file)
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),

@@ -133,7 +133,12 @@ class CommonSettings(BaseSettings):
         description="On SIGTERM, how long in-flight requests may finish before the rest is "
         "handed back to the queue (and migrates).",
     )
-    log_level: str = Field("INFO", description="Python log level.")
+    log_level: str = Field(
+        "INFO",
+        description="Python log level of Conveyor's own lines on the console. Engines' and "
+        "libraries' INFO lines go to <data_dir>/logs/conveyor.log (their warnings show once "
+        "on the console); DEBUG shows everything on the console.",
+    )
 
     def served_name(self) -> str:
         if self.served_model_name:

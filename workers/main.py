@@ -4,12 +4,14 @@ worker loop until SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
 import socket
 import sys
 import uuid
+from typing import NoReturn
 
 import uvloop
 
@@ -82,10 +84,22 @@ async def serve(settings: Settings) -> int:
     return 1 if runtime.engine_dead or runtime.journal_failed else 0
 
 
-def run_worker(settings: Settings) -> int:
+def run_worker(settings: Settings) -> NoReturn:
     # uvloop, as vLLM's own server runs AsyncLLM: less CPU per token beside the engine.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(settings))
+        code = runner.run(serve(settings))
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit as the interpreter would, less its finalization: the full garbage collection of
+    a heap holding torch and vLLM takes seconds (gc.freeze() would skip it, but then
+    nanobind lists every Triton object it finds alive at exit). The exit handlers still
+    run: logging flushes, multiprocessing releases its semaphores."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -95,4 +109,4 @@ def _one_line(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(Settings()))
+    run_worker(Settings())

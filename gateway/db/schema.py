@@ -13,13 +13,15 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "alembic"
 """The top-level ``alembic/`` folder (the package is installed editable, from the repo)."""
+VERSION_TABLE = "alembic_version"
+"""Alembic's default; alembic/env.py keeps it."""
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -75,7 +77,15 @@ async def current_revision(engine: AsyncEngine) -> str | None:
 
 
 def _current(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
+    """The version table read directly: Alembic's MigrationContext logs two INFO lines
+    each time it is set up, and the schema watch reads this every 30 s."""
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return None
+    revisions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars()
+    found = list(revisions)
+    if len(found) > 1:
+        raise RuntimeError(f"{VERSION_TABLE} holds several revisions: {found}")
+    return found[0] if found else None
 
 
 async def schema_status(engine: AsyncEngine) -> SchemaStatus:

@@ -3,6 +3,7 @@ the migrations (autogenerate finds nothing), on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import subprocess
@@ -11,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
@@ -47,6 +49,15 @@ async def _run(db: Database, fn: Any) -> Any:
 
 async def test_models_and_migrations_never_drift(database: Database) -> None:
     assert await _run(database, _drift) == []
+
+
+async def test_reading_the_schema_version_logs_nothing(
+    database: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway's schema watch reads it every 30 s: no Alembic INFO lines each time."""
+    caplog.set_level(logging.DEBUG)
+    assert (await schema_status(database.engine)).at_head
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("alembic")] == []
 
 
 async def test_upgrade_downgrade_upgrade(sql_target: SqlTarget) -> None:

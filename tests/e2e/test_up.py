@@ -1,5 +1,5 @@
 """`conveyor up`: private Redis when none answers, serves (with the demo LoRA adapter
-preloaded), and Ctrl-C leaves nothing running."""
+preloaded), prints nothing while idle, and Ctrl-C leaves nothing running and says so once."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from tests.e2e.stack import CONVEYOR, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
+IDLE_S = 4.0
+STOP_LIMIT_S = 15.0
+"""Generous: an idle stack stops in about 2 s on a 2-core box (9.7 s before)."""
+
 
 def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path: Path) -> None:
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
@@ -30,6 +34,7 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
         CONVEYOR_DATA_DIR=str(tmp_path),
         CONVEYOR_PORT=str(port),
         CONVEYOR_LORA_DEMO="1",
+        CONVEYOR_CANARY_IDLE_S="1",  # the idle canary (a vLLM request) runs in the idle window
     )
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen(
@@ -40,17 +45,19 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
+    console = tmp_path / "up.log"
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while "Conveyor is ready" not in console.read_text():
+            assert up.poll() is None, console.read_text()[-3000:]
+            assert time.monotonic() < deadline, console.read_text()[-3000:]
             time.sleep(0.5)
+        at_ready = console.read_text()
+        time.sleep(IDLE_S)
+        assert console.read_text() == at_ready, "printed while idle"
+        assert "logs/conveyor.log" in at_ready  # where the engines' lines went
+        assert "vllm" in (tmp_path / "logs" / "conveyor.log").read_text()
         assert redis_answers(redis_url), "up did not start its own Redis"
         assert (tmp_path / "redis" / "appendonlydir").exists(), "private Redis must use AOF"
         tree = [psutil.Process(up.pid), *psutil.Process(up.pid).children(recursive=True)]
@@ -72,10 +79,16 @@ def test_up_starts_redis_serves_and_stops_everything(demo_model: Path, tmp_path:
         )
         assert adapted.status_code == 200, adapted.text
     finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
-        log.close()
+        os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+        try:
+            up.wait(STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            raise
+        finally:
+            log.close()
     time.sleep(1)
+    assert console.read_text().count("all children stopped") == 1
     survivors = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [p.cmdline() for p in survivors]
     assert not redis_answers(redis_url)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -34,6 +37,25 @@ def test_a_child_that_exits_is_reported_and_restarted_after_a_backoff() -> None:
 
     eventually_sync(restarted, what="the restart after the backoff")
     supervisor.stop_all()
+
+
+def test_a_stop_request_ends_the_loop_at_once_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="conveyor.supervisor")
+    supervisor = Supervisor(grace_s=5)
+    supervisor.add(Child("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], {}))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    asked = time.monotonic()
+    threading.Timer(0.2, supervisor.request_stop).start()
+    try:
+        supervisor.run(poll_s=30)  # the nap between checks does not delay the stop
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    supervisor.stop_all()  # `conveyor up` calls it again on the way out
+    assert time.monotonic() - asked < 5
+    assert [r.getMessage() for r in caplog.records].count("all children stopped") == 1
 
 
 @pytest.mark.redis

@@ -38,6 +38,11 @@ from workers.engines.vllm.translate import sampling_params, step_output, tokens_
 
 log = logging.getLogger(__name__)
 
+ENGINE_TEARDOWN_S = 1.0
+"""How long vLLM's engine core process gets to tear down before vLLM kills it. Its
+teardown is three full garbage collections of a large heap (5-10 s on a small CPU box),
+and it only frees memory that the process's exit frees anyway."""
+
 
 class VllmEngine:
     def __init__(self, settings: Settings, model_path: str, served_name: str) -> None:
@@ -65,10 +70,12 @@ class VllmEngine:
             # Per-step stats cost CPU beside the engine on every token; only prefill/decode
             # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
             disable_log_stats=kv_transfer is None,
+            use_tqdm_on_load=False,  # a progress bar on stderr, past the logging rule
             **_vision_args(model_path, settings),
             **vllm_lora.engine_args(settings, model_path),
         )
         self.prompt_stats = PromptTokenStats()
+        _start_quiet_resource_tracker()
         self._llm = AsyncLLM.from_engine_args(
             args,
             stat_loggers=None if kv_transfer is None else [_prompt_stats_logger(self.prompt_stats)],
@@ -161,7 +168,26 @@ class VllmEngine:
         return int(self._llm.get_num_unfinished_requests())
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        """Called once the worker has drained: nothing runs in the engine any more."""
+        self._llm.shutdown(timeout=ENGINE_TEARDOWN_S)
+
+
+def _start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before vLLM does (for its engine core),
+    without its "leaked semaphore objects" warning: the engine core, killed after
+    ENGINE_TEARDOWN_S, leaves one, which the tracker then releases as it should."""
+    from multiprocessing import resource_tracker
+
+    previous = os.environ.get("PYTHONWARNINGS")
+    quiet = "ignore:resource_tracker:UserWarning"
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
 
 
 def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
