@@ -14,8 +14,7 @@ from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
 from gateway.control.records import Principal, Scope
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from gateway.serving import endpoints as serving
-from gateway.serving import limits
+from gateway.serving import endpoints, limits
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import StateDep
 
@@ -39,7 +38,7 @@ async def chat_completions(
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
-    return await serving.chat_completions(state, body, headers, request.receive)
+    return await endpoints.chat_completions(state, body, headers, request.receive)
 
 
 @router.post("/completions", response_model=None)
@@ -53,7 +52,7 @@ async def completions(
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
-    return await serving.completions(state, body, headers, request.receive)
+    return await endpoints.completions(state, body, headers, request.receive)
 
 
 @router.post("/embeddings", response_model=None)
@@ -66,7 +65,7 @@ async def embeddings(
 ) -> Response:
     request.state.model = body.model
     headers = RequestHeaders(None, timeout_s, principal)
-    return await serving.embeddings(state, body, headers, request.receive)
+    return await endpoints.embeddings(state, body, headers, request.receive)
 
 
 @router.get("/models")

@@ -26,7 +26,7 @@ from workers.engines.base import (
     StepOutput,
 )
 from workers.engines.vision.encoder import vision_family
-from workers.engines.vllm import lora as vllm_lora
+from workers.engines.vllm import lora
 from workers.engines.vllm.admin import VllmAdmin
 from workers.engines.vllm.placement import (
     engine_cores,
@@ -72,7 +72,7 @@ class VllmEngine:
             disable_log_stats=kv_transfer is None,
             use_tqdm_on_load=False,  # a progress bar on stderr, past the logging rule
             **_vision_args(model_path, settings),
-            **vllm_lora.engine_args(settings, model_path),
+            **lora.engine_args(settings, model_path),
         )
         self.prompt_stats = PromptTokenStats()
         _start_quiet_resource_tracker()
@@ -85,7 +85,7 @@ class VllmEngine:
         config = self._llm.model_config
         self._vision_family = vision_family(model_path)
         self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
-        self.adapters, self.adapters_off = vllm_lora.attach(self._llm, settings, model_path)
+        self.adapters, self.adapters_off = lora.attach(self._llm, settings, model_path)
         self.admin = VllmAdmin(self._llm)
 
     async def generate(
@@ -99,10 +99,10 @@ class VllmEngine:
         adapter: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         params = sampling_params(sampling, kv_transfer_params=handoff)
-        lora = vllm_lora.lora_request(self.adapters, adapter)
+        lora_request = lora.lora_request(self.adapters, adapter)
         with vllm_errors("generation"):
             stream = self._llm.generate(
-                self._prompt(prompt_token_ids, images), params, job_id, lora_request=lora
+                self._prompt(prompt_token_ids, images), params, job_id, lora_request=lora_request
             )
             async for output in stream:
                 yield step_output(output, prompt_token_ids, sampling.logprobs)
