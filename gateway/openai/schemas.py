@@ -140,6 +140,17 @@ class ChatMessage(_Lenient):
     tool_call_id: Text | None = None
     """A ``tool`` message: the call it answers."""
 
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        """Only an assistant message (its earlier tool calls) may leave ``content`` out or
+        null, as at OpenAI."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"the content of a {self.role} message must be a string or an array of "
+                "content parts, not null"
+            )
+        return self
+
 
 class SamplingFields(_Lenient):
     """Fields shared by chat and text completions. Floats refuse NaN and infinity, which

@@ -120,6 +120,8 @@ async def test_the_same_idempotency_key_is_a_409_and_queued_once(gateway: LiveGa
          "tools[0].function"),
         (CHAT, {**BODIES[CHAT], "tools": [{"type": "function", "function": {"name": "f"}}]},
          400, "unsupported_parameter", "tool_choice"),
+        (CHAT, {**BODIES[CHAT], "messages": [{"role": "user", "content": None}]}, 400,
+         "invalid_value", "messages[0]"),
     ],
 )  # fmt: skip
 async def test_client_errors_name_what_to_fix_and_queue_nothing(
