@@ -139,6 +139,7 @@ class JobQueue:
         *,
         max_depth: int,
         idempotency_key: str | None = None,
+        idempotency_owner: str | None = None,
         idempotency_ttl_s: int = 3600,
         charge: LimitCharge | None = None,
         opened: OpenedBy | None = None,
@@ -147,10 +148,15 @@ class JobQueue:
 
         With ``charge``, the key's limits are checked and counted in the same step; with
         ``opened``, the request's open record is stored (shared/queue/open_requests.py).
+        ``idempotency_owner`` (the API key's id) scopes ``idempotency_key`` to that key.
         """
         if not jobs:
             raise ValueError("submit needs at least one job")
-        idem = names.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
+        idem = (
+            names.idempotency(jobs[0].model, idempotency_key, idempotency_owner)
+            if idempotency_key
+            else ""
+        )
         header: list[bytes | str | int] = [
             max_depth,
             idempotency_ttl_s,

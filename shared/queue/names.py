@@ -71,8 +71,10 @@ def admitted(request_id: str) -> str:
     return f"{PREFIX}:admitted:{request_id}"
 
 
-def idempotency(model: str, key: str) -> str:
-    return f"{PREFIX}:idem:{model}:{key}"
+def idempotency(model: str, key: str, owner: str | None = None) -> str:
+    """An ``Idempotency-Key`` of one API key (``owner``; None: auth is off): each API key
+    has its own namespace, so no key meets (or learns the request ids of) another's."""
+    return f"{PREFIX}:idem:{model}:{owner or '-'}:{key}"
 
 
 def worker_heartbeat(worker_id: str) -> str:

@@ -142,6 +142,22 @@ async def test_idempotency_key_gives_duplicate(
     assert await queue.depth(STREAM) == 4
 
 
+async def test_idempotency_keys_are_scoped_per_api_key(queue: JobQueue) -> None:
+    first = await queue.submit(
+        STREAM, [make_job("alice-1")], max_depth=10, idempotency_key="k", idempotency_owner="a"
+    )
+    other = await queue.submit(
+        STREAM, [make_job("bob-1")], max_depth=10, idempotency_key="k", idempotency_owner="b"
+    )
+    assert (first.outcome, other.outcome) == (Admission.QUEUED, Admission.QUEUED)
+    anonymous = await queue.submit(STREAM, [make_job("anon")], max_depth=10, idempotency_key="k")
+    assert anonymous.outcome is Admission.QUEUED
+    again = await queue.submit(
+        STREAM, [make_job("bob-2")], max_depth=10, idempotency_key="k", idempotency_owner="b"
+    )
+    assert (again.outcome, again.detail) == (Admission.DUPLICATE, "bob-1")
+
+
 async def test_a_retried_admission_queues_once(queue: JobQueue) -> None:
     """The gateway retries admission through a Redis blip; a try that landed counts."""
     jobs = [make_job("once", 0), make_job("once", 1)]

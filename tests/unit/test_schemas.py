@@ -174,7 +174,8 @@ def test_chat_specific_rules() -> None:
     call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
     assistant = {"role": "assistant", "content": None, "tool_calls": [call]}
     assert chat(messages=[*USER, assistant]).messages[1].content is None
-    assert chat(messages=[*USER, {"role": "assistant", "content": None}]).messages[1].content is None
+    bare = {"role": "assistant", "content": None}
+    assert chat(messages=[*USER, bare]).messages[1].content is None
 
 
 def test_chat_content_parts() -> None:
