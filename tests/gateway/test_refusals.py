@@ -122,6 +122,7 @@ async def test_the_same_idempotency_key_is_a_409_and_queued_once(gateway: LiveGa
          400, "unsupported_parameter", "tool_choice"),
         (CHAT, {**BODIES[CHAT], "messages": [{"role": "user", "content": None}]}, 400,
          "invalid_value", "messages[0]"),
+        (CHAT, {**BODIES[CHAT], **{f"x{i}": 1 for i in range(65)}}, 400, None, None),
     ],
 )  # fmt: skip
 async def test_client_errors_name_what_to_fix_and_queue_nothing(
