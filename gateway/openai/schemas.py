@@ -1,7 +1,7 @@
 """The OpenAI wire schema for requests (the gateway's vocabulary).
 
-Unknown fields are accepted and ignored (logged once per field name), so
-clients that send extras, like LangChain, keep working.
+Unknown fields are accepted and ignored (logged once per field name, within the bounds of
+gateway/openai/unknown_fields.py), so clients that send extras, like LangChain, keep working.
 """
 
 from __future__ import annotations
