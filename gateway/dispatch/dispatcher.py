@@ -241,6 +241,8 @@ class Dispatcher:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
+        if _stores_schema(plan):
+            self._in_background(self._forget_schema(plan.request_id))
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
         self._in_background(self.accounting.settle(plan, record, used))
@@ -280,9 +282,22 @@ class Dispatcher:
             return
         log.info("cancel sent for %s", request_id)
 
+    async def _forget_schema(self, request_id: str) -> None:
+        """The request's stored JSON schema, deleted once it has ended (its TTL is the
+        fallback when this fails)."""
+        try:
+            await self._redis.delete(names.json_schema(request_id))
+        except RedisError as exc:
+            log.warning("could not delete the JSON schema of %s: %s", request_id, exc)
+
     async def wait_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _stores_schema(plan: AnyPlan) -> bool:
+    work = plan.work
+    return isinstance(work, Generation) and work.choices[0].sampling.json_schema is not None
 
 
 def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: int) -> None:

@@ -88,6 +88,11 @@ def gateway_heartbeat(gateway_id: str) -> str:
     return f"{PREFIX}:gateway:{gateway_id}"
 
 
+def json_schema(request_id: str) -> str:
+    """A request's ``response_format`` JSON schema, stored once for all of its jobs."""
+    return f"{PREFIX}:schema:{request_id}"
+
+
 def image(digest: str) -> str:
     """The bytes of a request's image, named by their SHA-256 (the gateway stores them)."""
     return f"{PREFIX}:image:{digest}"
