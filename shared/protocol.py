@@ -59,11 +59,25 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
+    json_schema_stored: bool = False
+    """``json_schema`` is stored once per request, apart from its jobs (in Redis under
+    ``names.json_schema(request_id)``, see shared/queue/job_queue.py): the job stream
+    carries the job without it, and the job queue fills it in when a worker reads the job."""
 
 
 def is_guided(sampling: SamplingOptions) -> bool:
     """Structured output: a grammar constrains every token."""
-    return sampling.json_schema is not None or sampling.json_object
+    return sampling.json_schema is not None or sampling.json_object or sampling.json_schema_stored
+
+
+def without_stored_schema(job: Job) -> Job:
+    """``job`` as its stream carries it: without a schema that is stored apart."""
+    if not isinstance(job, GenerateJob) or not job.sampling.json_schema_stored:
+        return job
+    if job.sampling.json_schema is None:
+        return job
+    sampling = msgspec.structs.replace(job.sampling, json_schema=None)
+    return msgspec.structs.replace(job, sampling=sampling)
 
 
 def is_deterministic(sampling: SamplingOptions) -> bool:

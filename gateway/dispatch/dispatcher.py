@@ -40,7 +40,6 @@ from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_by
 from shared.queue import names
 from shared.queue.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.queue.key_limits import (
-    LimitCharge,
     LimitKind,
     key_limit_error,
 )
@@ -99,8 +98,7 @@ class Dispatcher:
         self,
         stream: str,
         jobs: Sequence[Job],
-        idempotency_key: str | None,
-        charge: LimitCharge | None = None,
+        plan: AnyPlan,
         opened: OpenedBy | None = None,
     ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
@@ -109,9 +107,10 @@ class Dispatcher:
                 stream,
                 jobs,
                 max_depth=self._policy.queue_max_depth,
-                idempotency_key=idempotency_key,
+                idempotency_key=plan.idempotency_key,
+                idempotency_owner=plan.key_id,
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
-                charge=charge,
+                charge=plan.charge,
                 opened=opened,
             ),
             for_s=self._policy.admission_retry_s,
@@ -204,9 +203,7 @@ class Dispatcher:
         self.drain.watch(stream)
         events = self._router.open(request_id)
         try:
-            result = await self._admit(
-                stream, jobs, plan.idempotency_key, plan.charge, self.accounting.opened_by(plan)
-            )
+            result = await self._admit(stream, jobs, plan, self.accounting.opened_by(plan))
         except RedisError as exc:
             self._router.close(request_id)
             raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
@@ -238,14 +235,14 @@ class Dispatcher:
     async def _readmit(self, request: Admitted) -> AdmissionResult:
         plan = request.plan
         opened = self.accounting.opened_by(plan)
-        return await self._admit(
-            request.stream, request.jobs, plan.idempotency_key, plan.charge, opened
-        )
+        return await self._admit(request.stream, request.jobs, plan, opened)
 
     def _finish(self, plan: AnyPlan, handle: RequestHandle, *, cancel: bool) -> None:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
+        if _stores_schema(plan):
+            self._in_background(self._forget_schema(plan.request_id))
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
         self._in_background(self.accounting.settle(plan, record, used))
@@ -285,9 +282,22 @@ class Dispatcher:
             return
         log.info("cancel sent for %s", request_id)
 
+    async def _forget_schema(self, request_id: str) -> None:
+        """The request's stored JSON schema, deleted once it has ended (its TTL is the
+        fallback when this fails)."""
+        try:
+            await self._redis.delete(names.json_schema(request_id))
+        except RedisError as exc:
+            log.warning("could not delete the JSON schema of %s: %s", request_id, exc)
+
     async def wait_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _stores_schema(plan: AnyPlan) -> bool:
+    work = plan.work
+    return isinstance(work, Generation) and work.choices[0].sampling.json_schema is not None
 
 
 def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: int) -> None:

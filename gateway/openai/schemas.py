@@ -1,7 +1,7 @@
 """The OpenAI wire schema for requests (the gateway's vocabulary).
 
-Unknown fields are accepted and ignored (logged once per field name), so
-clients that send extras, like LangChain, keep working.
+Unknown fields are accepted and ignored (logged once per field name, within the bounds of
+gateway/openai/unknown_fields.py), so clients that send extras, like LangChain, keep working.
 """
 
 from __future__ import annotations
@@ -139,6 +139,17 @@ class ChatMessage(_Lenient):
     """An assistant's earlier calls (a multi-turn agent loop)."""
     tool_call_id: Text | None = None
     """A ``tool`` message: the call it answers."""
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        """Only an assistant message (its earlier tool calls) may leave ``content`` out or
+        null, as at OpenAI."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"the content of a {self.role} message must be a string or an array of "
+                "content parts, not null"
+            )
+        return self
 
 
 class SamplingFields(_Lenient):

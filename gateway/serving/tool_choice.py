@@ -33,7 +33,7 @@ from gateway.openai.tool_parsers import PARSERS, named, required
 from shared.errors import InvalidRequest, UnsupportedParameter
 
 MAX_TOOL_SCHEMA_BYTES = 64 * 1024
-"""One function's parameter schema, as JSON."""
+"""One function's parameter schema (or a ``response_format`` schema), as JSON."""
 MAX_TOOLS_BYTES = 512 * 1024
 """All tools of a request together, as JSON (descriptions included)."""
 MAX_SCHEMA_DEPTH = 32
@@ -164,22 +164,27 @@ def check_caps(tools: list[ToolDefinition]) -> None:
                 f"two tools are named `{tool.function.name}`", param=f"tools[{index}]"
             )
         names.add(tool.function.name)
-        schema = tool.function.parameters or {}
-        if _depth(schema, MAX_SCHEMA_DEPTH + 1) > MAX_SCHEMA_DEPTH:
-            raise InvalidRequest(
-                f"the parameter schema nests deeper than {MAX_SCHEMA_DEPTH}", param=param
-            )
-        size = len(json.dumps(schema))
-        if size > MAX_TOOL_SCHEMA_BYTES:
-            raise InvalidRequest(
-                f"the parameter schema is {size} bytes; at most {MAX_TOOL_SCHEMA_BYTES}",
-                param=param,
-            )
+        size = len(check_schema(tool.function.parameters or {}, param))
         total += size + len(tool.function.description or "")
         if total > MAX_TOOLS_BYTES:
             raise InvalidRequest(
                 f"tools add up to more than {MAX_TOOLS_BYTES} bytes", param="tools"
             )
+
+
+def check_schema(schema: dict[str, Any], param: str) -> str:
+    """``schema`` serialized, once it is known to be at most :data:`MAX_TOOL_SCHEMA_BYTES`
+    as JSON and :data:`MAX_SCHEMA_DEPTH` deep (a tool's parameters, or a
+    ``response_format`` schema: both become a grammar)."""
+    if _depth(schema, MAX_SCHEMA_DEPTH + 1) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"the schema nests deeper than {MAX_SCHEMA_DEPTH}", param=param)
+    text = json.dumps(schema)
+    if len(text) > MAX_TOOL_SCHEMA_BYTES:
+        raise InvalidRequest(
+            f"the schema is {len(text)} bytes as JSON; at most {MAX_TOOL_SCHEMA_BYTES}",
+            param=param,
+        )
+    return text
 
 
 def _depth(value: Any, limit: int) -> int:

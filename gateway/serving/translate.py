@@ -11,10 +11,12 @@ from gateway.catalog.served_models import ServedModel
 from gateway.dispatch.plan import ChoiceSpec
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.serving import prompts
+from gateway.serving.tool_choice import check_schema
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
+SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
@@ -133,13 +135,14 @@ def choices(
 ) -> list[ChoiceSpec]:
     """``n`` choices per prompt, indexed the way OpenAI numbers them."""
     bias = logit_bias(request, model)
+    structured = structured_output(request)
     specs = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt), model.max_model_len)
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             seed = None if request.seed is None else request.seed + sample
-            options = sampling_options(request, max_tokens, seed, logprobs, bias)
+            options = sampling_options(request, max_tokens, seed, logprobs, bias, structured)
             specs.append(ChoiceSpec(index, prompt, options))
     return specs
 
@@ -191,8 +194,9 @@ def sampling_options(
     seed: int | None,
     logprobs: int | None,
     logit_bias: dict[int, float] | None = None,
+    structured: tuple[str | None, bool] | None = None,
 ) -> SamplingOptions:
-    json_schema, json_object = _structured(request)
+    json_schema, json_object = structured or structured_output(request)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -213,7 +217,9 @@ def sampling_options(
     )
 
 
-def _structured(request: SamplingFields) -> tuple[str | None, bool]:
+def structured_output(request: SamplingFields) -> tuple[str | None, bool]:
+    """The ``response_format`` JSON schema (serialized and capped, once per request) and
+    whether the output is any JSON object."""
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None, False
@@ -222,7 +228,7 @@ def _structured(request: SamplingFields) -> tuple[str | None, bool]:
     spec = response_format.json_schema
     if spec is None or not spec.schema_:
         raise InvalidRequest("json_schema.schema is required", param="response_format")
-    return json.dumps(spec.schema_), False
+    return check_schema(spec.schema_, SCHEMA_PARAM), False
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:

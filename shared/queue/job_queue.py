@@ -8,12 +8,15 @@ the number of jobs queued or running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -38,10 +41,11 @@ _ADMIT = (
     + """
 -- KEYS: stream, idempotency key ('' = none), admitted marker, then the key-limit
 -- counters (see shared.queue.key_limits), then the gateway's open-requests hash (when the
--- open record is given). ARGV: max depth, idempotency ttl, request id, protocol
--- version, job count, 1 if the request is limited, then the limit arguments (when
--- limited), then one payload per job, then the open record (shared.queue.open_requests;
--- optional), then its hash's ttl.
+-- open record is given), then the request's JSON-schema key. ARGV: max depth, idempotency
+-- ttl, request id, protocol version, job count, 1 if the request is limited, then the
+-- limit arguments (when limited), then one payload per job, then the JSON schema ('' =
+-- none: stored once for all the jobs) and its ttl, then the open record
+-- (shared.queue.open_requests; optional), then its hash's ttl.
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
@@ -68,15 +72,61 @@ for i = first_job, first_job + count - 1 do
 end
 if limited then used = limits_charge(7, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
-local opened = ARGV[first_job + count]
+local schema = ARGV[first_job + count]
+if schema ~= '' then
+  redis.call('SET', KEYS[#KEYS], schema, 'EX', tonumber(ARGV[first_job + count + 1]))
+end
+local opened = ARGV[first_job + count + 2]
 if opened then
-  redis.call('HSET', KEYS[#KEYS], request_id, opened)
-  redis.call('EXPIRE', KEYS[#KEYS], tonumber(ARGV[first_job + count + 1]))
+  redis.call('HSET', KEYS[#KEYS - 1], request_id, opened)
+  redis.call('EXPIRE', KEYS[#KEYS - 1], tonumber(ARGV[first_job + count + 3]))
 end
 redis.call('SET', admitted, '1', 'EX', 600)
 return {'queued', tostring(depth + count), used}
 """.replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
 )
+
+
+SCHEMA_TTL_MARGIN_S = 60
+"""A stored JSON schema outlives its request's deadline by this much (then it expires
+even if the gateway that queued the request never deleted it)."""
+
+
+def _schema_apart(jobs: Sequence[Job]) -> tuple[Sequence[Job], str]:
+    """``jobs`` without their shared JSON schema, and that schema ('' when the jobs have
+    none, or not one shared by all): stored once, not once per job."""
+    first = jobs[0]
+    if not isinstance(first, GenerateJob) or first.sampling.json_schema is None:
+        return jobs, ""
+    schema = first.sampling.json_schema
+    if any(not isinstance(j, GenerateJob) or j.sampling.json_schema != schema for j in jobs):
+        return jobs, ""
+    apart = [
+        msgspec.structs.replace(
+            job,
+            sampling=msgspec.structs.replace(
+                job.sampling, json_schema=None, json_schema_stored=True
+            ),
+        )
+        for job in jobs
+        if isinstance(job, GenerateJob)
+    ]
+    return apart, schema
+
+
+def _schema_ttl_s(job: Job) -> int:
+    return max(1, int(job.deadline_unix - time.time()) + SCHEMA_TTL_MARGIN_S)
+
+
+def _with_schema(job: Job, schemas: dict[str, str]) -> Job:
+    """``job`` with its request's stored JSON schema filled in (when it has one)."""
+    if not isinstance(job, GenerateJob) or not job.sampling.json_schema_stored:
+        return job
+    schema = schemas.get(job.request_id)
+    if schema is None or job.sampling.json_schema is not None:
+        return job
+    sampling = msgspec.structs.replace(job.sampling, json_schema=schema)
+    return msgspec.structs.replace(job, sampling=sampling)
 
 
 class Admission(StrEnum):
@@ -139,6 +189,7 @@ class JobQueue:
         *,
         max_depth: int,
         idempotency_key: str | None = None,
+        idempotency_owner: str | None = None,
         idempotency_ttl_s: int = 3600,
         charge: LimitCharge | None = None,
         opened: OpenedBy | None = None,
@@ -147,10 +198,15 @@ class JobQueue:
 
         With ``charge``, the key's limits are checked and counted in the same step; with
         ``opened``, the request's open record is stored (shared/queue/open_requests.py).
+        ``idempotency_owner`` (the API key's id) scopes ``idempotency_key`` to that key.
         """
         if not jobs:
             raise ValueError("submit needs at least one job")
-        idem = names.idempotency(jobs[0].model, idempotency_key) if idempotency_key else ""
+        idem = (
+            names.idempotency(jobs[0].model, idempotency_key, idempotency_owner)
+            if idempotency_key
+            else ""
+        )
         header: list[bytes | str | int] = [
             max_depth,
             idempotency_ttl_s,
@@ -161,16 +217,19 @@ class JobQueue:
         ]
         limit_keys = charge.keys() if charge is not None else []
         limit_args = charge.args() if charge is not None else []
+        jobs, schema = _schema_apart(jobs)
         payloads = [encode(job)[b"m"] for job in jobs]
+        schema_args: list[str | int] = [schema, _schema_ttl_s(jobs[0])]
         admitted = names.admitted(jobs[0].request_id)
         open_keys: list[str] = []
         open_args: list[bytes | int] = []
         if opened is not None:
             open_keys = [names.open_requests(opened.gateway_id)]
             open_args = [encode_open(opened.record), OPEN_TTL_S]
+        schema_key = names.json_schema(jobs[0].request_id)
         outcome, detail, counts = await self._admit(
-            keys=[stream, idem, admitted, *limit_keys, *open_keys],
-            args=[*header, *limit_args, *payloads, *open_args],
+            keys=[stream, idem, admitted, *limit_keys, *open_keys, schema_key],
+            args=[*header, *limit_args, *payloads, *schema_args, *open_args],
         )
         usage = usage_from_reply(charge, counts) if charge is not None else None
         return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage)
@@ -210,7 +269,27 @@ class JobQueue:
             else:
                 log.error("dropping non-job entry %s on %s", entry_id, stream.name)
                 await self.ack(stream.name, entry_id)
-        return deliveries
+        return await self._with_schemas(deliveries)
+
+    async def _with_schemas(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """``deliveries`` with their requests' stored JSON schemas filled in, read in one
+        round trip (a job whose schema expired keeps none: it fails at intake)."""
+        request_ids = sorted(
+            {
+                d.job.request_id
+                for d in deliveries
+                if isinstance(d.job, GenerateJob) and d.job.sampling.json_schema_stored
+            }
+        )
+        if not request_ids:
+            return deliveries
+        values = await self._redis.mget([names.json_schema(r) for r in request_ids])
+        schemas = {
+            request_id: as_text(value)
+            for request_id, value in zip(request_ids, values, strict=True)
+            if value is not None
+        }
+        return [dataclasses.replace(d, job=_with_schema(d.job, schemas)) for d in deliveries]
 
     async def reclaim(
         self,

@@ -71,8 +71,10 @@ def admitted(request_id: str) -> str:
     return f"{PREFIX}:admitted:{request_id}"
 
 
-def idempotency(model: str, key: str) -> str:
-    return f"{PREFIX}:idem:{model}:{key}"
+def idempotency(model: str, key: str, owner: str | None = None) -> str:
+    """An ``Idempotency-Key`` of one API key (``owner``; None: auth is off): each API key
+    has its own namespace, so no key meets (or learns the request ids of) another's."""
+    return f"{PREFIX}:idem:{model}:{owner or '-'}:{key}"
 
 
 def worker_heartbeat(worker_id: str) -> str:
@@ -84,6 +86,11 @@ WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
 
 def gateway_heartbeat(gateway_id: str) -> str:
     return f"{PREFIX}:gateway:{gateway_id}"
+
+
+def json_schema(request_id: str) -> str:
+    """A request's ``response_format`` JSON schema, stored once for all of its jobs."""
+    return f"{PREFIX}:schema:{request_id}"
 
 
 def image(digest: str) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
@@ -140,6 +142,22 @@ async def test_idempotency_key_gives_duplicate(
     plain = await queue.submit(STREAM, [make_job("plain")], max_depth=10)
     assert plain.outcome is Admission.QUEUED
     assert await queue.depth(STREAM) == 4
+
+
+async def test_idempotency_keys_are_scoped_per_api_key(queue: JobQueue) -> None:
+    first = await queue.submit(
+        STREAM, [make_job("alice-1")], max_depth=10, idempotency_key="k", idempotency_owner="a"
+    )
+    other = await queue.submit(
+        STREAM, [make_job("bob-1")], max_depth=10, idempotency_key="k", idempotency_owner="b"
+    )
+    assert (first.outcome, other.outcome) == (Admission.QUEUED, Admission.QUEUED)
+    anonymous = await queue.submit(STREAM, [make_job("anon")], max_depth=10, idempotency_key="k")
+    assert anonymous.outcome is Admission.QUEUED
+    again = await queue.submit(
+        STREAM, [make_job("bob-2")], max_depth=10, idempotency_key="k", idempotency_owner="b"
+    )
+    assert (again.outcome, again.detail) == (Admission.DUPLICATE, "bob-1")
 
 
 async def test_a_retried_admission_queues_once(queue: JobQueue) -> None:
@@ -298,3 +316,42 @@ async def test_queue_bookkeeping(redis_target: RedisTarget, ops: list[tuple[str,
     finally:
         await client.flushdb()
         await client.aclose()
+
+
+def guided_job(request_id: str, index: int, schema: str) -> GenerateJob:
+    job = make_job(request_id, index)
+    sampling = msgspec.structs.replace(job.sampling, json_schema=schema, temperature=0.0)
+    return msgspec.structs.replace(job, sampling=sampling)
+
+
+async def stored_bytes(redis: aioredis.Redis, request_id: str) -> int:
+    """What a request's jobs and its stored schema take in Redis (values only)."""
+    entries = await redis.xrange(STREAM)
+    jobs = sum(len(value) for _, fields in entries for value in fields.values())
+    return jobs + int(await redis.strlen(names.json_schema(request_id)))
+
+
+async def test_a_json_schema_is_stored_once_per_request_not_once_per_job(
+    queue: JobQueue, redis_backend: aioredis.Redis
+) -> None:
+    schema = json.dumps({"type": "object", "description": "x" * (64 * 1024 - 64)})
+    jobs = [guided_job("big", i, schema) for i in range(128)]
+    result = await queue.submit(STREAM, jobs, max_depth=1000)
+    assert result.outcome is Admission.QUEUED
+    assert await stored_bytes(redis_backend, "big") < len(schema) * 2  # not 128 copies
+    assert 60 < await redis_backend.ttl(names.json_schema("big")) <= 121  # deadline + margin
+    read = await queue.read([JOBS], "c1", count=200, block_ms=10)
+    assert len(read) == 128
+    assert all(isinstance(d.job, GenerateJob) for d in read)
+    assert {d.job.sampling.json_schema for d in read} == {schema}  # type: ignore[union-attr]
+
+
+async def test_a_refused_request_stores_no_schema(
+    queue: JobQueue, redis_backend: aioredis.Redis
+) -> None:
+    refused = await queue.submit(
+        STREAM, [guided_job("full", i, '{"type": "object"}') for i in range(3)], max_depth=2
+    )
+    assert refused.outcome is Admission.FULL
+    assert await redis_backend.exists(names.json_schema("full")) == 0
+    assert await queue.depth(STREAM) == 0

@@ -107,6 +107,20 @@ async def test_one_usage_row_per_request_with_delivered_tokens(
     assert rows[0]["key_id"] == _key_id(gateway, secret)
 
 
+async def test_idempotency_keys_are_per_api_key(gateway: LiveGateway) -> None:  # noqa: F811
+    alice = await limited_key(gateway, Limits(rpm=100))
+    bob = await limited_key(gateway, Limits(rpm=100))
+    headers = {"Idempotency-Key": "order-1"}
+    first = await gateway.client.post(CHAT, json=BODIES[CHAT], headers={**headers, **bearer(alice)})
+    assert first.status_code == 200, first.text
+    other = await gateway.client.post(CHAT, json=BODIES[CHAT], headers={**headers, **bearer(bob)})
+    assert other.status_code == 200, other.text  # bob's key: bob's own namespace
+    again = await gateway.client.post(CHAT, json=BODIES[CHAT], headers={**headers, **bearer(bob)})
+    error = error_of(again, 409)
+    assert other.json()["id"] in error["message"]
+    assert first.json()["id"] not in error["message"]  # never another key's request id
+
+
 def _key_id(live: LiveGateway, secret: str) -> str:
     assert live.state.control is not None
     principal: Any = live.state.control.keys.resolve(secret)

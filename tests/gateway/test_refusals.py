@@ -21,6 +21,7 @@ from shared.roles import Role
 from tests.gateway.harness import (
     BODIES,
     CHAT,
+    COMPLETIONS,
     EMBED_MODEL,
     EMBEDDINGS,
     LiveGateway,
@@ -107,6 +108,33 @@ async def test_the_same_idempotency_key_is_a_409_and_queued_once(gateway: LiveGa
 # ----------------------------------------------------------------------------- 4xx
 
 
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+async def test_a_json_schema_is_stored_once_and_deleted_when_the_request_ends(
+    gateway: LiveGateway,
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {**BODIES[CHAT], "n": 4, "temperature": 0, "response_format": json_schema_format(schema)}
+    response = await gateway.client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    jobs = gateway.workers[0].generate_jobs()
+    assert len(jobs) == 4 and all(job.sampling.json_schema_stored for job in jobs)
+
+    async def none_left() -> bool:
+        return not await gateway.redis.keys("conveyor:schema:*")
+
+    await eventually(none_left, timeout_s=2.0, what="the request's stored schema deleted")
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "param"),
     [
@@ -120,6 +148,14 @@ async def test_the_same_idempotency_key_is_a_409_and_queued_once(gateway: LiveGa
          "tools[0].function"),
         (CHAT, {**BODIES[CHAT], "tools": [{"type": "function", "function": {"name": "f"}}]},
          400, "unsupported_parameter", "tool_choice"),
+        (CHAT, {**BODIES[CHAT], "messages": [{"role": "user", "content": None}]}, 400,
+         "invalid_value", "messages[0]"),
+        (CHAT, {**BODIES[CHAT], **{f"x{i}": 1 for i in range(65)}}, 400, None, None),
+        (CHAT, {**BODIES[CHAT], "n": 128, "response_format": json_schema_format(
+            {"type": "object", "description": "x" * 70_000})}, 400, None,
+         "response_format.json_schema.schema"),
+        (COMPLETIONS, {**BODIES[COMPLETIONS], "response_format": json_schema_format(
+            nested(40))}, 400, None, "response_format.json_schema.schema"),
     ],
 )  # fmt: skip
 async def test_client_errors_name_what_to_fix_and_queue_nothing(

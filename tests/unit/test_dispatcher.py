@@ -9,6 +9,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
+from gateway.dispatch.plan import Deadline, Generation, RequestPlan
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.worker_directory import WorkerDirectory
 from shared.protocol import GenerateJob, SamplingOptions
@@ -44,6 +45,9 @@ def job() -> GenerateJob:
     )
 
 
+PLAN = RequestPlan("r1", "m", Generation((), ()), Deadline(0.0, 0.0), None)
+
+
 class FlakyQueue:
     def __init__(self, failures: int) -> None:
         self.failures = failures
@@ -59,7 +63,7 @@ class FlakyQueue:
 async def test_admission_retries_through_a_short_outage() -> None:
     d = dispatcher(retry_s=5.0)
     d._queue = FlakyQueue(failures=2)  # type: ignore[assignment]
-    result = await d._admit("conveyor:jobs:m:aggregated", [job()], None)
+    result = await d._admit("conveyor:jobs:m:aggregated", [job()], PLAN)
     assert result.outcome is Admission.QUEUED
     assert d._queue.calls == 3  # type: ignore[attr-defined]
 
@@ -68,5 +72,5 @@ async def test_admission_gives_up_after_its_retry_window() -> None:
     d = dispatcher(retry_s=0.3)
     d._queue = FlakyQueue(failures=1000)  # type: ignore[assignment]
     with pytest.raises(RedisConnectionError):
-        await d._admit("conveyor:jobs:m:aggregated", [job()], None)
+        await d._admit("conveyor:jobs:m:aggregated", [job()], PLAN)
     assert 1 < d._queue.calls < 10  # type: ignore[attr-defined]

@@ -168,8 +168,14 @@ def test_chat_specific_rules() -> None:
     refused(chat, max_completion_tokens=0)
     assert chat(max_completion_tokens=7, max_tokens=3).token_budget() == 7
     assert chat(max_tokens=3).token_budget() == 3
-    for role in ("system", "developer", "user", "assistant", "tool"):
-        assert chat(messages=[{"role": role, "content": None}]).messages[0].role == role
+    for role in ("system", "developer", "user", "tool"):
+        for message in ({"role": role, "content": None}, {"role": role}):
+            refused(chat, messages=[message])
+    call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+    assistant = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert chat(messages=[*USER, assistant]).messages[1].content is None
+    bare = {"role": "assistant", "content": None}
+    assert chat(messages=[*USER, bare]).messages[1].content is None
 
 
 def test_chat_content_parts() -> None:

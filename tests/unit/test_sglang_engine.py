@@ -398,6 +398,7 @@ FIELD_DESTINATIONS = {
     "json_object": "sampling_params.json_schema",
     "skip_special_tokens": "sampling_params.skip_special_tokens",
     "logit_bias": "sampling_params.logit_bias",
+    "json_schema_stored": "filled into json_schema by the job queue (no engine field)",
 }
 
 

@@ -16,7 +16,11 @@ from pydantic import ValidationError
 from gateway.catalog.served_models import ServedModel
 from gateway.catalog.tokenizer import ModelTokenizer
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.openai.unknown_fields import UnknownFieldLog
+from gateway.openai.unknown_fields import (
+    MAX_LOGGED_NAME_CHARS,
+    MAX_UNKNOWN_FIELDS,
+    UnknownFieldLog,
+)
 from gateway.serving import translate
 from shared.errors import ChatTemplateError, ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateJob, SamplingOptions, decode, encode
@@ -312,8 +316,30 @@ def test_unknown_fields_are_logged_once(caplog: pytest.LogCaptureFixture) -> Non
         log.note(chat(foo=1, bar=2))
         log.note(chat(foo=3))
         log.note(completion(bar=1, baz=2))
-    names = sorted(r.getMessage().split("'")[1] for r in caplog.records)
-    assert names == ["bar", "baz", "foo"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # one line per request with new names, none for the second
+    assert "['bar', 'foo']" in lines[0] and "['baz']" in lines[1]
+
+
+def test_unknown_fields_per_request_are_capped() -> None:
+    log = UnknownFieldLog()
+    log.note(chat(**{f"x{i}": i for i in range(MAX_UNKNOWN_FIELDS)}))
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_UNKNOWN_FIELDS} unknown"):
+        log.note(chat(**{f"y{i}": i for i in range(MAX_UNKNOWN_FIELDS + 1)}))
+
+
+def test_the_remembered_names_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    log = UnknownFieldLog(remembered=100)
+    long_name = "z" * 100_000
+    with caplog.at_level(logging.INFO, logger="gateway.openai.unknown_fields"):
+        for batch in range(10):  # 640 distinct names, 64 per request
+            log.note(chat(**{f"n{batch}-{i}": i for i in range(63)}, **{long_name + str(batch): 1}))
+    assert len(log._seen) == 100
+    assert all(len(name) <= MAX_LOGGED_NAME_CHARS for name in log._seen)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # 64 names, then 36 more with the line that says it is full
+    assert "further ones are ignored" in lines[-1]
+    assert max(len(line) for line in lines) < 64 * (MAX_LOGGED_NAME_CHARS + 8) + 200
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,21 @@ from enum import Enum
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.errors import ConveyorError, DeadlineExceeded, MigrationRefused, PoisonJob
-from shared.protocol import GenerateJob, Job, encode, is_deterministic, is_guided
+from shared.errors import (
+    ConveyorError,
+    DeadlineExceeded,
+    MediaMissing,
+    MigrationRefused,
+    PoisonJob,
+)
+from shared.protocol import (
+    GenerateJob,
+    Job,
+    encode,
+    is_deterministic,
+    is_guided,
+    without_stored_schema,
+)
 from shared.queue import names
 from shared.queue.liveness import GatewayWatch
 from workers.journal.run_journal import RunLease
@@ -86,6 +99,9 @@ class Intake:
             )
         if lease.attempt >= self._policy.max_deliveries:
             return await self._dead_letter(lease)
+        if isinstance(job, GenerateJob) and _schema_missing(job):
+            reason = "its JSON schema expired before the job ran"
+            return Decision(Verdict.FAIL, reason, MediaMissing(f"the request's {reason}; retry"))
         if lease.emitted:
             refusal = _migration_refusal(job, lease, self._policy)
             if refusal is not None:
@@ -104,6 +120,12 @@ class Intake:
         return Decision(Verdict.FAIL, "dead-lettered", error)
 
 
+def _schema_missing(job: GenerateJob) -> bool:
+    """The request's stored JSON schema was gone when the job was read (see
+    :attr:`shared.protocol.SamplingOptions.json_schema_stored`)."""
+    return job.sampling.json_schema_stored and job.sampling.json_schema is None
+
+
 def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str | None:
     if policy.migration_limit <= 0:
         return "its worker stopped mid-stream and migration is off (CONVEYOR_MIGRATION_LIMIT=0)"
@@ -120,7 +142,7 @@ def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str |
 
 
 async def dead_letter(redis: aioredis.Redis, lease: RunLease, reason: str) -> None:
-    fields = encode(lease.delivery.job)
+    fields = encode(without_stored_schema(lease.delivery.job))
     fields[b"reason"] = reason.encode()
     fields[b"entry"] = lease.delivery.entry_id.encode()
     await redis.xadd(names.dead_letter_stream(lease.delivery.stream), fields)  # type: ignore[arg-type]

@@ -32,7 +32,14 @@ from redis.exceptions import RedisError
 from shared.connections.connect import as_text
 from shared.connections.retry import Backoff, retry
 from shared.errors import ConveyorError
-from shared.protocol import VERSION, ErrorEvent, Event, GenerateJob, encode_payload
+from shared.protocol import (
+    VERSION,
+    ErrorEvent,
+    Event,
+    GenerateJob,
+    encode_payload,
+    without_stored_schema,
+)
 from shared.queue import names
 from shared.queue.job_queue import Delivery
 from workers.journal.scripts import (
@@ -237,7 +244,7 @@ class RunJournal:
             stream=delivery.stream,
             entry=delivery.entry_id,
             version=VERSION,
-            payload=encode_payload(delivery.job),
+            payload=encode_payload(without_stored_schema(delivery.job)),
             group=names.JOB_GROUP,
             graceful="0" if failed else "1",
         )
@@ -254,7 +261,7 @@ class RunJournal:
             fence=lease.fence,
             next_stream=next_stream,
             version=VERSION,
-            payload=encode_payload(job),
+            payload=encode_payload(without_stored_schema(job)),
             stream=delivery.stream,
             entry=delivery.entry_id if ack else "",
             group=names.JOB_GROUP,
