@@ -193,14 +193,17 @@ class Scheduler:
         plan.prefill_tokens += seq.prefill_tokens(tokens)
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
-        """KV room for ``tokens`` of ``seq``, preempting later sequences; with nothing
-        left to preempt, ``seq`` itself ends (its length does not fit the KV cache)."""
+        """KV room for ``tokens`` of ``seq``, preempting the last admitted sequences
+        (``seq`` itself when it is the last); alone, ``seq`` ends: its length does not fit
+        the KV cache."""
         while not self.kv.grow(seq.table, tokens):
             victim = self.running[-1]
-            if victim is seq:
+            if victim is seq and len(self.running) == 1:
                 self.finish(seq, "length")
                 return False
             self._preempt(victim)
+            if victim is seq:
+                return False
         return True
 
     def _preempt(self, seq: Sequence) -> None:
