@@ -19,7 +19,7 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from conveyor.model_source import with_model
-from shared.settings import SETTING_GROUPS, Mode, Role, Settings, own_fields
+from shared.settings import SETTING_GROUPS, EngineKind, Mode, Role, Settings, own_fields
 
 log = logging.getLogger("conveyor")
 
@@ -258,9 +258,12 @@ def worker_roles(settings: Settings) -> list[str]:
 
 def worker_envs(settings: Settings, roles: list[str], env: dict[str, str]) -> list[dict[str, str]]:
     """Each worker's environment: aggregated and embed engines get disjoint core slices
-    (unless --cpu-omp-threads-bind pins them all); prefill/decode split cores themselves."""
+    (unless --cpu-omp-threads-bind pins them all); prefill/decode split cores themselves.
+    Fake engines run no model threads: they get no slice."""
     from shared.cpu_cores import available_cores, cores_spec, engine_core_slices
 
+    if settings.engine is EngineKind.FAKE:
+        return [env for _ in roles]
     sliced = {Role.AGGREGATED.value, Role.EMBED.value}
     engines = sum(role in sliced for role in roles)
     slices = iter(engine_core_slices(available_cores(), engines))

@@ -48,6 +48,9 @@ class Mode(StrEnum):
 class EngineKind(StrEnum):
     VLLM = "vllm"
     SGLANG = "sglang"
+    FAKE = "fake"
+    """No model: a step-time model with a prefix-cached KV (workers/engines/fake/), for
+    load and routing tests; its output is not a model's."""
 
 
 class AuthMode(StrEnum):
@@ -308,7 +311,42 @@ class WorkerSettings(ImageSettings):
     """`conveyor worker`: the engine, its placement on the CPU, and the worker runtime."""
 
     role: Role = Field(Role.AGGREGATED, description="Worker role.")
-    engine: EngineKind = Field(EngineKind.VLLM, description="Inference engine (sglang: GPU only).")
+    engine: EngineKind = Field(
+        EngineKind.VLLM,
+        description="Inference engine (sglang: GPU only; fake: no model, for load and "
+        "routing tests).",
+    )
+    fake_step_base_ms: float = Field(
+        5.0, ge=0, description="Fake engine: time of one engine step, before per-sequence costs."
+    )
+    fake_step_per_seq_us: float = Field(
+        50.0, ge=0, description="Fake engine: step time added per sequence in the step."
+    )
+    fake_prefill_per_token_us: float = Field(
+        20.0,
+        ge=0,
+        description="Fake engine: step time added per prompt token computed (cached tokens "
+        "cost nothing).",
+    )
+    fake_prefill_chunk_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Fake engine: tokens one step computes at most, decode tokens first "
+        "(vLLM's max_num_batched_tokens: longer prompts prefill over several steps).",
+    )
+    fake_kv_blocks: int = Field(8192, ge=1, description="Fake engine: KV cache size in blocks.")
+    fake_block_tokens: int = Field(
+        16,
+        ge=1,
+        description="Fake engine: tokens per KV block (vLLM: 16 on GPU, 128 on CPU); prefix "
+        "hits and KV events come in whole blocks.",
+    )
+    fake_speedup: float = Field(
+        1.0,
+        gt=0,
+        description="Fake engine: every step time is divided by this (e.g. 10 simulates "
+        "ten times faster engines on one box).",
+    )
     kv_connector: str = Field(
         "NixlConnector", description="vLLM KV connector for prefill/decode workers."
     )

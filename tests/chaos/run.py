@@ -41,10 +41,20 @@ def main() -> int:
     parser.add_argument("--scenario", action="append", choices=sorted(scenarios.SCENARIOS))
     parser.add_argument("--no-load-shapes", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "fake"),
+        default="vllm",
+        help="fake: workers with no model (seconds to start; migration still checked)",
+    )
     args = parser.parse_args()
     names = args.scenario or list(scenarios.SCENARIOS)
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-chaos-"))
-    cluster = Cluster(write_demo_model(workdir / "model"), workdir, worker_env=WORKER_ENV)
+    cluster = Cluster(
+        write_demo_model(workdir / "model"),
+        workdir,
+        worker_env={**WORKER_ENV, "CONVEYOR_ENGINE": args.engine},
+    )
     print(f"chaos cluster in {workdir}", flush=True)
     try:
         cluster.start(args.workers)

@@ -1,4 +1,5 @@
-"""Which engine runs a language model: vLLM, or SGLang on GPU boxes (``--engine``).
+"""Which engine runs a language model: vLLM, SGLang on GPU boxes, or the fake engine
+(no model: load and routing tests) (``--engine``).
 
 The engine packages import their library lazily, so choosing one loads only it.
 """
@@ -10,7 +11,11 @@ from workers.engines.base import EmbedEngine, PrefillEngine
 
 
 def load_language_engine(settings: Settings, model_path: str, served_name: str) -> PrefillEngine:
-    """An engine that generates and, in a prefill role, prefills (both engines do both)."""
+    """An engine that generates and, in a prefill role, prefills (every engine does both)."""
+    if settings.engine is EngineKind.FAKE:
+        from workers.engines.fake.engine import FakeEngine
+
+        return FakeEngine(settings, model_path, served_name)
     if settings.engine is EngineKind.SGLANG:
         from workers.engines.sglang.engine import SglangEngine
 
@@ -21,9 +26,15 @@ def load_language_engine(settings: Settings, model_path: str, served_name: str) 
 
 
 def load_embedding_engine(settings: Settings, model_path: str, served_name: str) -> EmbedEngine:
-    """A pooling engine: only vLLM serves embeddings."""
+    """A pooling engine: vLLM, or the fake engine's deterministic unit vectors."""
+    if settings.engine is EngineKind.FAKE:
+        from workers.engines.fake.engine import FakeEngine
+
+        return FakeEngine(settings, model_path, served_name)
     if settings.engine is not EngineKind.VLLM:
-        raise ValueError("embeddings are served by vLLM workers (--engine vllm --role embed)")
+        raise ValueError(
+            "embeddings are served by vLLM (or fake) workers (--engine vllm --role embed)"
+        )
     from workers.engines.vllm.engine import VllmEngine
 
     return VllmEngine(settings, model_path, served_name)
