@@ -39,6 +39,8 @@ class TokenizeChatRequest(_VllmBody):
     add_special_tokens: bool = False
     """Special tokens on top of those the chat template writes (vLLM's default: none)."""
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    """Declared to be refused (a 400): the model's own template renders every prompt."""
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     return_token_strs: bool | None = False
 

@@ -24,7 +24,7 @@ from gateway.openai.vllm_schemas import (
 from gateway.serving import prompts, translate
 from gateway.serving.tool_choice import check_caps, template_tools
 from gateway.state import GatewayState
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, UnsupportedParameter
 
 PATH_FIELDS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path"})
 """Fields of tokenizer_config.json that name files on the server: never shown (vLLM drops
@@ -58,6 +58,12 @@ async def tokenize(
 
 
 def _chat_tokens(body: TokenizeChatRequest, model: ServedModel) -> list[int]:
+    if body.chat_template is not None:
+        raise UnsupportedParameter(
+            "chat_template is not supported: prompts are rendered with the model's own "
+            "template, as chat completions are",
+            param="chat_template",
+        )
     tools = body.tools or []
     check_caps(tools)
     images = sum(

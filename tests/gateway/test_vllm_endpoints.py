@@ -18,7 +18,7 @@ CHAT_TURNS = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "hello there"},
 ]
-PERMISSION_FIELDS = {
+PERMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "object": str,
     "created": int,
@@ -107,13 +107,15 @@ async def test_tokenize_messages_template_options(
 
 async def test_tokenize_refusals_are_openai_shaped(gateway: LiveGateway) -> None:
     both = {"messages": USER, "continue_final_message": True, "add_generation_prompt": True}
-    for body, param in [
+    refusals: list[tuple[dict[str, Any], str]] = [
         (both, "messages"),
         ({"messages": USER, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"messages": []}, "messages"),
+        ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({}, "prompt"),
         ({"model": "nope", "prompt": "x"}, "model"),
-    ]:
+    ]
+    for body, param in refusals:
         response = await gateway.client.post("/tokenize", json={"model": "tiny", **body})
         error = error_of(response, 404 if param == "model" else 400)
         assert error["param"] in (param, None), error
