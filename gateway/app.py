@@ -26,7 +26,7 @@ from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
-from gateway.routes import admin, health, loras, metrics, openai, workers
+from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
 from gateway.state import GatewayState
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
@@ -92,6 +92,7 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(RequestMetrics)
     app.include_router(openai.router)
+    app.include_router(vllm.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(admin.router)

@@ -14,6 +14,7 @@ from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
 from gateway.control.records import Principal, Scope
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.openai.vllm_schemas import ModelCard
 from gateway.serving import endpoints, limits
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import StateDep
@@ -81,14 +82,14 @@ async def get_model(model_id: str, state: StateDep, principal: Inference) -> dic
 
 
 def _model_card(model: ServedModel) -> dict[str, Any]:
-    """vLLM's card: a LoRA adapter's ``parent`` is its base model, its ``root`` its folder."""
-    return {
-        "id": model.name,
-        "object": "model",
-        "created": model.created_unix,
-        "owned_by": "conveyor",
-        "root": model.path,
-        "parent": model.parent,
-        "max_model_len": model.max_model_len,
-        "kind": model.kind.value,
-    }
+    """vLLM's card: a LoRA adapter's ``parent`` is its base model. ``root`` is the served
+    name (vLLM shows the model's folder or hub id there; server paths are not shown)."""
+    card = ModelCard(
+        id=model.name,
+        created=model.created_unix,
+        root=model.name,
+        parent=model.parent,
+        max_model_len=model.max_model_len,
+        kind=model.kind.value,
+    )
+    return card.model_dump()

@@ -84,7 +84,7 @@ def plan_tools(request: ChatCompletionRequest, model: ServedModel) -> ToolPlan:
         raise InvalidRequest(
             "tool_choice needs tools: send the tools to choose from", param="tool_choice"
         )
-    rendered = [tool.model_dump(exclude_none=True) for tool in tools]
+    rendered = template_tools(tools)
     if choice == "auto":
         return _auto(model, rendered)
     if request.response_format is not None and request.response_format.type != "text":
@@ -100,6 +100,11 @@ def plan_tools(request: ChatCompletionRequest, model: ServedModel) -> ToolPlan:
         schema = _required_schema(tools, request.parallel_tool_calls is not False)
         parser = OutputParser(required)
     return ToolPlan(parser, rendered, json.dumps(schema))
+
+
+def template_tools(tools: list[ToolDefinition]) -> list[dict[str, Any]]:
+    """The tools as the chat template's ``tools`` variable sees them."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def opens_reasoning(prompt: list[int], model: ServedModel) -> bool:

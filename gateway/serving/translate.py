@@ -8,8 +8,10 @@ import logging
 from typing import Any
 
 from gateway.catalog.served_models import ServedModel
+from gateway.catalog.tokenizer import CHAT_COMPLETION, ChatRendering
 from gateway.dispatch.plan import ChoiceSpec
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai.vllm_schemas import TokenizeChatRequest
 from gateway.serving import prompts
 from gateway.serving.tool_choice import check_schema
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
@@ -47,19 +49,21 @@ def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
 
 
 def chat_prompt(
-    request: ChatCompletionRequest,
+    request: ChatCompletionRequest | TokenizeChatRequest,
     model: ServedModel,
     images: int = 0,
     tools: list[dict[str, Any]] | None = None,
+    rendering: ChatRendering = CHAT_COMPLETION,
 ) -> list[int]:
     """The prompt's token ids; a vision-language model's images appear as one (unexpanded)
     placeholder token each, which the engine expands to the image's embeddings. ``tools``
-    go to the template's ``tools`` variable (templates without one ignore them)."""
+    go to the template's ``tools`` variable (templates without one ignore them). /tokenize
+    renders its messages here too, with its own ``rendering``."""
     placeholder = model.image_token_id
     vision = placeholder is not None
     messages = [_message_dict(i, message, vision) for i, message in enumerate(request.messages)]
     extra = {"tools": tools} if tools else {}
-    prompt = model.tokenizer.encode_chat(messages, **extra)
+    prompt = model.tokenizer.encode_chat(messages, rendering, **extra)
     if placeholder is not None and prompt.count(placeholder) != images:
         raise InvalidRequest(
             f"the chat template of `{model.name}` placed {prompt.count(placeholder)} image "

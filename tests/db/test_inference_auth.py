@@ -101,3 +101,24 @@ async def test_a_revoked_key_stops_at_once(gateway: LiveGateway) -> None:
     await gateway.state.control.keys.reload()
     response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
     assert error_of(response, 401)["code"] == "invalid_api_key"
+
+
+VLLM_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("POST", "/tokenize", {"model": "tiny", "prompt": "hi"}),
+    ("POST", "/detokenize", {"model": "tiny", "tokens": [5]}),
+    ("GET", "/tokenizer_info", None),
+    ("GET", "/load", None),
+    ("GET", "/is_sleeping", None),
+    ("POST", "/invocations", BODIES[COMPLETIONS]),
+]
+
+
+async def test_vllm_routes_need_an_inference_key(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    for method, path, body in VLLM_ROUTES:
+        refused = await gateway.client.request(method, path, json=body)
+        assert error_of(refused, 401)["code"] == "invalid_api_key", path
+        answered = await gateway.client.request(method, path, json=body, headers=bearer(secret))
+        assert answered.status_code == 200, (path, answered.text)
+    for path in ("/ping", "/version"):  # public, as /health (and vLLM's /version)
+        assert (await gateway.client.get(path)).status_code == 200
