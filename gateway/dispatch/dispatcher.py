@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,9 @@ from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_by
 from shared.queue import names
 from shared.queue.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.queue.key_limits import (
+    KeyLimitCounters,
     LimitKind,
+    Limits,
     key_limit_error,
 )
 from shared.queue.lora_registry import adapter_stream
@@ -84,6 +87,7 @@ class Dispatcher:
     ) -> None:
         self._redis = redis
         self._images = images or ImageStore(redis)
+        self._limit_counters = KeyLimitCounters(redis)
         self._queue = JobQueue(redis)
         self._router = router
         self._directory = directory
@@ -121,6 +125,17 @@ class Dispatcher:
             what=f"admission of {jobs[0].request_id}",
             retry_on=(RedisConnectionError, RedisTimeoutError),
         )
+
+    async def check_limits(self, key_id: str | None, limits: Limits) -> None:
+        """Refuse a key already over its limits (the 429 admission would give) in one
+        read, before any work is spent on its request; admission still counts the exact
+        charge atomically. A Redis error here leaves the decision to admission."""
+        if key_id is None or not limits.any():
+            return
+        try:
+            await self._limit_counters.precheck(key_id, limits, time.time())
+        except RedisError as exc:
+            log.warning("could not pre-check the limits of key %s: %s", key_id, exc)
 
     async def submit(self, plan: AnyPlan) -> RequestHandle:
         """Queue the plan's jobs (all or none) and return the handle of their events;
