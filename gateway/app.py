@@ -166,4 +166,6 @@ def _image_inputs(settings: GatewaySettings, store: ImageStore) -> ImageInputs:
         store,
         ImageLimits.from_settings(settings),
         max_images=settings.max_images_per_request,
+        max_request_bytes=settings.image_max_request_bytes,
+        store_ttl_s=settings.image_store_ttl_s,
     )

@@ -24,6 +24,7 @@ ConveyorError
 ├── NoLiveWorker (503, service_unavailable)           recoverable: retry after `retry_after_s`
 ├── LoraLoadTimeout (503)                          no worker finished loading an adapter in time
 ├── GatewayDraining (503)                             recoverable: another gateway / later
+├── ImageStoreFull (503)                              the stored images' byte budget is spent
 ├── DeadlineExceeded (504, timeout)                   the server-side deadline passed
 │   └── WorkerCommandTimeout (504)                    a worker did not answer an admin command
 ├── NotSupportedByEngine (501)                        the worker's engine cannot do that (why)
@@ -264,6 +265,14 @@ class GatewayDraining(RetryableError):
     status = 503
     type = "service_unavailable"
     code = "shutting_down"
+
+
+class ImageStoreFull(RetryableError):
+    """Storing a request's images would pass ``CONVEYOR_IMAGE_STORE_MAX_BYTES``."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "image_store_full"
 
 
 class BackendUnavailable(RetryableError):

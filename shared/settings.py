@@ -211,6 +211,22 @@ class ImageSettings(CommonSettings):
     )
     image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
     max_images_per_request: int = Field(8, description="Images one chat request may carry.")
+    image_max_request_bytes: int = Field(
+        64 * 1024 * 1024,
+        description="Bytes of all the images of one request (400 past it; nothing more is "
+        "fetched).",
+    )
+    image_store_max_bytes: int = Field(
+        1024 * 1024 * 1024,
+        description="Bytes of images the gateways keep in Redis at once (each Redis): storing "
+        "more is a 503 with Retry-After. Images are deleted when the last request using them "
+        "ends or is refused.",
+    )
+    image_store_ttl_s: int = Field(
+        720,
+        description="Longest a stored image lives in Redis, whatever the request's deadline "
+        "(X-Request-Timeout): a request still queued after it fails and can be retried.",
+    )
     encode: bool = Field(
         False,
         description="`conveyor up`: add an encode worker that turns images into embeddings "

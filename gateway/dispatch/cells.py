@@ -140,9 +140,9 @@ def _cell(
 ) -> Cell:
     router = ReplyRouter(redis, names.reply_stream(gateway_id))
     directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
-    dispatcher = Dispatcher(
-        redis, router, directory, AdmissionPolicy.from_settings(settings), on_usage=on_usage
-    )
+    images = ImageStore(redis, max_stored_bytes=settings.image_store_max_bytes)
+    policy = AdmissionPolicy.from_settings(settings)
+    dispatcher = Dispatcher(redis, router, directory, policy, images=images, on_usage=on_usage)
     router.on_reconnect = dispatcher.lost.requeue_lost
     return Cell(
         name=name,
@@ -150,7 +150,7 @@ def _cell(
         router=router,
         directory=directory,
         dispatcher=dispatcher,
-        images=ImageStore(redis),
+        images=images,
         adapters=LoraWatch(redis, catalog, owns=owns),
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,13 @@ from shared.protocol import CancelCommand, EmbedJob, GenerateJob, Job, encode_by
 from shared.queue import names
 from shared.queue.job_queue import Admission, AdmissionResult, JobQueue, OpenedBy
 from shared.queue.key_limits import (
+    KeyLimitCounters,
     LimitKind,
+    Limits,
     key_limit_error,
 )
 from shared.queue.lora_registry import adapter_stream
+from shared.queue.media_store import ImageStore
 from shared.queue.usage import UsageRecord
 from shared.roles import Role
 from shared.settings import GatewaySettings
@@ -78,9 +82,12 @@ class Dispatcher:
         directory: WorkerDirectory,
         policy: AdmissionPolicy,
         *,
+        images: ImageStore | None = None,
         on_usage: Callable[[UsageRecord], None] = lambda record: None,
     ) -> None:
         self._redis = redis
+        self._images = images or ImageStore(redis)
+        self._limit_counters = KeyLimitCounters(redis)
         self._queue = JobQueue(redis)
         self._router = router
         self._directory = directory
@@ -119,16 +126,46 @@ class Dispatcher:
             retry_on=(RedisConnectionError, RedisTimeoutError),
         )
 
+    async def check_limits(self, key_id: str | None, limits: Limits) -> None:
+        """Refuse a key already over its limits (the 429 admission would give) in one
+        read, before any work is spent on its request; admission still counts the exact
+        charge atomically. A Redis error here leaves the decision to admission."""
+        if key_id is None or not limits.any():
+            return
+        try:
+            await self._limit_counters.precheck(key_id, limits, time.time())
+        except RedisError as exc:
+            log.warning("could not pre-check the limits of key %s: %s", key_id, exc)
+
     async def submit(self, plan: AnyPlan) -> RequestHandle:
         """Queue the plan's jobs (all or none) and return the handle of their events;
         raises NoLiveWorker (503), Overloaded (429), IdempotencyConflict (409) or
-        BackendUnavailable (503)."""
+        BackendUnavailable (503). The plan's stored images are released if it is refused
+        (or the caller is cancelled), and when its handle closes otherwise."""
         work = plan.work
-        if isinstance(work, Embedding):
-            stream, jobs = self._embed_jobs(plan, work)
-        else:
-            stream, jobs = self._generate_jobs(plan, work)
-        return await self._enqueue(stream, jobs, plan)
+        try:
+            if isinstance(work, Embedding):
+                stream, jobs = self._embed_jobs(plan, work)
+            else:
+                stream, jobs = self._generate_jobs(plan, work)
+            return await self._enqueue(stream, jobs, plan)
+        except BaseException:
+            self.release_images(plan)
+            raise
+
+    def release_images(self, plan: AnyPlan) -> None:
+        """The plan no longer holds its stored images (deleted when no one else does; in
+        the background, so it survives the caller's cancellation; their TTL is the
+        fallback when Redis cannot be reached)."""
+        if isinstance(plan.work, Generation) and plan.work.images:
+            digests = [image.digest for image in plan.work.images]
+            self._in_background(self._release_images(plan.request_id, digests))
+
+    async def _release_images(self, request_id: str, digests: list[str]) -> None:
+        try:
+            await self._images.release(digests)
+        except RedisError as exc:
+            log.warning("could not release the images of %s: %s", request_id, exc)
 
     def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, list[Job]]:
         """One job per choice, on the stream of the request's first stage."""
@@ -241,6 +278,7 @@ class Dispatcher:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
+        self.release_images(plan)
         if _stores_schema(plan):
             self._in_background(self._forget_schema(plan.request_id))
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)

@@ -47,6 +47,22 @@ def image_parts(request: ChatCompletionRequest) -> list[ImagePartRef]:
     return found
 
 
+class _RequestBytes:
+    """The bytes fetched so far for one request, against its cap."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.fetched = 0
+
+    def check(self, more: int = 0) -> None:
+        self.fetched += more
+        if self.fetched > self.limit:
+            raise InvalidRequest(
+                f"the request's images pass {self.limit} bytes in all "
+                "(CONVEYOR_IMAGE_MAX_REQUEST_BYTES); send fewer or smaller images"
+            )
+
+
 class ImageInputs:
     def __init__(
         self,
@@ -55,11 +71,15 @@ class ImageInputs:
         limits: ImageLimits,
         *,
         max_images: int,
+        max_request_bytes: int = 2**62,
+        store_ttl_s: int = 3600,
     ) -> None:
         self._fetcher = fetcher
         self._store = store
         self._limits = limits
         self._max_images = max_images
+        self._max_request_bytes = max_request_bytes
+        self._store_ttl_s = store_ttl_s
 
     async def aclose(self) -> None:
         await self._fetcher.aclose()
@@ -89,23 +109,32 @@ class ImageInputs:
     ) -> tuple[ImageRef, ...]:
         """Fetch and check every part (concurrently), then store them all (in ``store``:
         the Redis of the request's model; default the one given at construction) until
-        ``STORE_MARGIN_S`` after the request's deadline; the first failure is raised and
-        nothing is stored."""
+        ``STORE_MARGIN_S`` after the request's deadline, at most ``store_ttl_s``; the first
+        failure is raised, the other fetches are cancelled and nothing is stored. Past
+        ``max_request_bytes`` in all, no further fetch starts. The caller owns the stored
+        images from here (the dispatcher releases them when the request ends or is refused)."""
         if not parts:
             return ()
-        loaded = await asyncio.gather(*(self._load(part) for part in parts), return_exceptions=True)
-        images: list[tuple[str, bytes]] = []
-        for outcome in loaded:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            images.append(outcome)
+        fetched = _RequestBytes(self._max_request_bytes)
+        tasks = [asyncio.ensure_future(self._load(part, fetched)) for part in parts]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()  # a fetch cancelled here has stored nothing
+        for task in tasks:  # the first failure in the order of the parts
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+        images = [task.result() for task in tasks]
         ttl_s = max(1, math.ceil(deadline.remaining_s())) + STORE_MARGIN_S
-        await (store or self._store).put_many(images, ttl_s)
+        await (store or self._store).put_many(images, min(ttl_s, self._store_ttl_s))
         return tuple(ImageRef(digest, len(data)) for digest, data in images)
 
-    async def _load(self, part: ImagePartRef) -> tuple[str, bytes]:
+    async def _load(self, part: ImagePartRef, fetched: _RequestBytes) -> tuple[str, bytes]:
         try:
+            fetched.check()  # over the cap already: fetch nothing more
             data = await self._fetcher.fetch(part.url)
+            fetched.check(len(data))
             await asyncio.to_thread(check_image, data, self._limits)
         except ConveyorError as exc:
             error = type(exc)(f"{part.param}: {exc.message}", param=part.param)

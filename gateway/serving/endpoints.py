@@ -6,7 +6,9 @@ expensive work:
 
 1. admit: the gateway is not draining, the model exists and serves this endpoint,
    OpenAI features it cannot honour are refused. This is where the request's API
-   key (its ``Principal``) is checked against the model and the key's limits;
+   key (its ``Principal``) is checked against the model and the key's limits (one
+   read of its counters: a key already over a limit costs no templating, tokenizing
+   or image fetch; admission, step 6, still charges the exact cost atomically);
 2. resolve the headers once: the deadline (``X-Request-Timeout``) and the
    ``Idempotency-Key``;
 3. counts and lengths (:mod:`gateway.serving.limits`) and the image parts
@@ -123,7 +125,7 @@ async def plan_chat(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders
 ) -> tuple[RequestPlan[Generation], OutputParser | None]:
     """The request's plan, and how its choices' text is read (tool calls, reasoning)."""
-    model = _admit(state, body, ModelKind.GENERATE, headers.principal)
+    model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_chat(body, model, state.settings)
     tool_plan = plan_tools(body, model)
@@ -142,7 +144,7 @@ async def plan_chat(
 async def plan_completion(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders
 ) -> RequestPlan[Generation]:
-    model = _admit(state, body, ModelKind.GENERATE, headers.principal)
+    model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
@@ -154,7 +156,7 @@ async def plan_completion(
 async def plan_embeddings(
     state: GatewayState, body: EmbeddingRequest, headers: RequestHeaders
 ) -> RequestPlan[Embedding]:
-    model = _admit(state, body, ModelKind.EMBED, headers.principal)
+    model = await _admit(state, body, ModelKind.EMBED, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(embedding_inputs(body)), state.settings, "input")
     prompts = await asyncio.to_thread(input_token_ids, body, model)
@@ -162,7 +164,7 @@ async def plan_embeddings(
     return _plan("embd", model, work, deadline, idempotency_key, headers.principal)
 
 
-def _admit(
+async def _admit(
     state: GatewayState,
     body: SamplingFields | EmbeddingRequest,
     kind: ModelKind,
@@ -174,6 +176,8 @@ def _admit(
     model = state.catalog.get(body.model, principal.models).require(kind)
     if isinstance(body, SamplingFields):
         translate.refuse_unsupported(body, model)
+    dispatcher = state.cells.for_model(model.base).dispatcher
+    await dispatcher.check_limits(principal.key_id, principal.limits)
     return model
 
 

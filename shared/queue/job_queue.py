@@ -62,7 +62,7 @@ end
 local used = none
 if limited then
   local over
-  over, used = limits_check(7)
+  over, used = limits_check(4, 7)
   if over then return {'limited', over, used} end
 end
 local depth = redis.call('XLEN', stream)
@@ -70,7 +70,7 @@ if depth + count > max_depth then return {'full', tostring(depth), used} end
 for i = first_job, first_job + count - 1 do
   redis.call('XADD', stream, '*', 'v', version, 'm', ARGV[i])
 end
-if limited then used = limits_charge(7, used) end
+if limited then used = limits_charge(4, 7, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
 local schema = ARGV[first_job + count]
 if schema ~= '' then

@@ -143,15 +143,16 @@ class Reservation(msgspec.Struct, frozen=True, array_like=True):
 
 LIMIT_ARG_COUNT = 10
 
-# Runs inside the admission script before anything is queued. KEYS[4..7]: the rpm and
-# tpm windows, the concurrency set, the budget counter ('' = none). ARGV[L..L+9] (L is
+# Runs inside the admission script before anything is queued. KEYS[K..K+3] (K = 4 in the
+# admission script): the rpm and tpm windows, the concurrency set, the budget counter ('' =
+# none). ARGV[L..L+9] (L is
 # the first limit argument): rpm, tpm, concurrency, budget limits (-1 = none), token
 # cost, now in ms, lease in ms, window ttl s, budget ttl s, request id.
 # Sets `limited` to the name of the first limit the request would pass, and `usage` to
 # the counts after the request (or now, when limited).
 ADMIT_LIMITS_LUA = """
-local function limits_check(L)
-  local rpm_key, tpm_key, conc_key, budget_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local function limits_check(K, L)
+  local rpm_key, tpm_key, conc_key, budget_key = KEYS[K], KEYS[K + 1], KEYS[K + 2], KEYS[K + 3]
   local rpm, tpm = tonumber(ARGV[L]), tonumber(ARGV[L + 1])
   local conc, budget = tonumber(ARGV[L + 2]), tonumber(ARGV[L + 3])
   local cost, now_ms = tonumber(ARGV[L + 4]), tonumber(ARGV[L + 5])
@@ -169,8 +170,8 @@ local function limits_check(L)
   return nil, used
 end
 
-local function limits_charge(L, used)
-  local rpm_key, tpm_key, conc_key, budget_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local function limits_charge(K, L, used)
+  local rpm_key, tpm_key, conc_key, budget_key = KEYS[K], KEYS[K + 1], KEYS[K + 2], KEYS[K + 3]
   local cost, now_ms = tonumber(ARGV[L + 4]), tonumber(ARGV[L + 5])
   local lease_ms, window_ttl = tonumber(ARGV[L + 6]), tonumber(ARGV[L + 7])
   local budget_ttl, request_id = tonumber(ARGV[L + 8]), ARGV[L + 9]
@@ -187,6 +188,15 @@ local function limits_charge(L, used)
   return {used[1] + 1, used[2] + cost, used[3] + 1, used[4] + cost}
 end
 """
+
+# The check alone, before any work is spent on a request (its exact charge is admission's).
+_PRECHECK = (
+    ADMIT_LIMITS_LUA
+    + """
+local over, used = limits_check(1, 1)
+return {over or '', used}
+"""
+)
 
 _SETTLE = """
 local tpm_key, conc_key, budget_key = KEYS[1], KEYS[2], KEYS[3]
@@ -249,8 +259,18 @@ class KeyLimitCounters:
     """Settlement and lease renewal (admission itself is in the queue's script)."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
+        self._precheck = redis.register_script(_PRECHECK)
         self._settle = redis.register_script(_SETTLE)
         self._renew = redis.register_script(_RENEW)
+
+    async def precheck(self, key_id: str, limits: Limits, now_unix: float) -> None:
+        """Raise the 429 admission would give if the key is over a limit even for the
+        cheapest request (one token): one round trip, nothing counted."""
+        charge = LimitCharge(key_id, limits, "", 1, now_unix)
+        over, counts = await self._precheck(keys=charge.keys(), args=charge.args())
+        kind = over.decode() if isinstance(over, bytes) else str(over)
+        if kind:
+            raise key_limit_error(usage_from_reply(charge, counts), LimitKind(kind))
 
     async def settle(self, charge: LimitCharge, used_tokens: int) -> None:
         """The request ended having used ``used_tokens``: give the rest back, free its slot."""

@@ -98,6 +98,16 @@ def image(digest: str) -> str:
     return f"{PREFIX}:image:{digest}"
 
 
+IMAGE_BYTES = f"{PREFIX}:images:bytes"
+"""The bytes of all stored images (a counter, against CONVEYOR_IMAGE_STORE_MAX_BYTES)."""
+IMAGE_SIZES = f"{PREFIX}:images:sizes"
+"""Hash: image digest -> its size, for every image counted in ``IMAGE_BYTES``."""
+IMAGE_HOLDS = f"{PREFIX}:images:holds"
+"""Hash: image digest -> the open requests holding it (deleted when the last one ends)."""
+IMAGE_EXPIRY = f"{PREFIX}:images:expiry"
+"""Sorted set: image digest by its key's expiry (ms): expired images are un-counted."""
+
+
 def image_embedding(model: str, digest: str) -> str:
     """An encode worker's embedding of one image for one model (the redis transport)."""
     return f"{PREFIX}:embedding:{model}:{digest}"

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gateway.control.key_service import KeySpec
 from gateway.control.records import BudgetPeriod, Limits, Scope
+from gateway.images.fetch import ImageFetcher
+from gateway.serving import translate
 from shared.queue import names
 from shared.queue.usage import decode_usage
 from tests.db.test_inference_auth import bearer, gateway, queued  # noqa: F401 (fixture)
@@ -137,3 +141,44 @@ def _admin() -> str:
 async def _in_sql(live: LiveGateway) -> int:
     response = await live.client.get("/admin/usage", headers=bearer(_admin()))
     return len(response.json().get("data", []))
+
+
+async def test_a_key_over_its_limit_costs_no_templating_or_fetch(
+    gateway: LiveGateway,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key's counters are read before any work: the 429 (same headers as admission's)
+    comes without the chat template, the tokenizer or an image fetch."""
+    secret = await limited_key(gateway, Limits(rpm=1))
+    ok = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
+    assert ok.status_code == 200, ok.text
+    work: list[str] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            work.append(name)
+            return real(*args, **kwargs)
+
+        return called
+
+    monkeypatch.setattr(translate, "chat_prompt", spy("template", translate.chat_prompt))
+    monkeypatch.setattr(
+        translate, "completion_prompts", spy("tokenize", translate.completion_prompts)
+    )
+    monkeypatch.setattr(ImageFetcher, "fetch", spy("fetch", ImageFetcher.fetch))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = {**BODIES[CHAT], "messages": [{"role": "user", "content": [image]}]}
+    before = await queued(gateway)
+    for path, body in (
+        (CHAT, BODIES[CHAT]),
+        (COMPLETIONS, BODIES[COMPLETIONS]),
+        (CHAT, with_image),
+    ):
+        refused = await gateway.client.post(path, json=body, headers=bearer(secret))
+        error = error_of(refused, 429)
+        assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.headers["x-ratelimit-limit-requests"] == "1"
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert work == []
+    assert await queued(gateway) == before

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +230,77 @@ async def test_images_go_to_the_encode_pool_first(vision: LiveGateway, fetched: 
     [job] = encode.generate_jobs()
     assert not aggregated.jobs  # the fake encode worker answers itself
     assert len(job.images) == 1 and job.after_encode is Role.AGGREGATED
-    stored = await vision.redis.get(f"conveyor:image:{job.images[0].digest}")
-    assert stored is not None and len(stored) == job.images[0].nbytes
+    assert job.images[0].nbytes == len(base64.b64decode(url.split(",", 1)[1]))
+    await eventually(no_images_in(vision), what="the image deleted once its request ended")
+
+
+def no_images_in(gateway: LiveGateway) -> Callable[[], Awaitable[bool]]:
+    """True once the gateway's Redis holds no image bytes and counts none."""
+
+    async def check() -> bool:
+        names = [name async for name in gateway.redis.scan_iter("conveyor:image*")]
+        return names == []
+
+    return check
+
+
+@pytest.mark.parametrize(
+    ("workers", "status", "code"),
+    [
+        ((), 503, "no_live_worker"),  # refused before admission
+        ((Role.AGGREGATED,), 409, "idempotency_key_in_use"),  # refused by the admission script
+    ],
+)
+async def test_a_refused_request_leaves_no_image_bytes(
+    served_model: ServedModel,
+    tmp_path: Path,
+    workers: tuple[Role, ...],
+    status: int,
+    code: str,
+) -> None:
+    model = build_vision_model(tmp_path)
+    async with live_gateway(
+        served_model, workers=[(role, model.name) for role in workers], more_models=[model]
+    ) as gateway:
+        body = image_chat("describe", png_data_url(), max_tokens=2)
+        once = {"Idempotency-Key": "once"}
+        if workers:
+            first = await gateway.client.post(CHAT, json=body, headers=once)
+            assert first.status_code == 200, first.text
+        error = error_of(await gateway.client.post(CHAT, json=body, headers=once), status)
+        assert error["code"] == code
+        await eventually(no_images_in(gateway), what="the refused request's images deleted")
+
+
+async def test_images_past_the_request_byte_cap_are_a_400_and_stop_the_fetches(
+    vision: LiveGateway, fetched: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = png_data_url()
+    cap = len(base64.b64decode(url.split(",", 1)[1])) + 1  # one image fits, two do not
+    monkeypatch.setattr(vision.state.images, "_max_request_bytes", cap)
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * 4
+    body = {"model": "tiny-vl", "messages": [{"role": "user", "content": parts}]}
+    error = error_of(await vision.client.post(CHAT, json=body))
+    assert "CONVEYOR_IMAGE_MAX_REQUEST_BYTES" in error["message"]
+    assert error["param"].startswith("messages[0].content[")
+    assert len(fetched) < 4  # past the cap, no further fetch starts
+    assert await no_images_in(vision)()
+
+
+async def test_past_the_image_store_budget_is_a_503_with_retry_after(
+    served_model: ServedModel, tmp_path: Path
+) -> None:
+    model = build_vision_model(tmp_path)
+    async with live_gateway(
+        served_model, workers=((Role.AGGREGATED, model.name),), more_models=[model],
+        image_store_max_bytes=10,
+    ) as gateway:  # fmt: skip
+        body = image_chat("describe", png_data_url(), max_tokens=2)
+        response = await gateway.client.post(CHAT, json=body)
+        assert error_of(response, 503)["code"] == "image_store_full"
+        assert int(response.headers["retry-after"]) >= 1
+        assert await no_images_in(gateway)()
+        assert all(not worker.jobs for worker in gateway.workers)
 
 
 async def test_too_many_images_are_refused_before_any_is_fetched(

@@ -158,3 +158,19 @@ def test_embedding_cache_never_exceeds_its_bound() -> None:
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
     cache.put("huge", bytes(5000))  # bigger than the bound: not kept
     assert cache.get("huge") is None and cache.stats.bytes <= 1000
+
+
+async def test_stored_images_live_no_longer_than_the_setting_whatever_the_deadline(
+    vision_model: ServedModel, redis: fakeredis.aioredis.FakeRedis
+) -> None:
+    policy = FetchPolicy(frozenset({"data"}), max_bytes=50_000, timeout_s=2.0, private_networks=())
+    inputs = ImageInputs(
+        ImageFetcher(policy),
+        ImageStore(redis),
+        ImageLimits(50_000, 256 * 256),
+        max_images=3,
+        store_ttl_s=300,
+    )
+    request = _request(_image(_data_url(_image_bytes())))
+    [ref] = await inputs.load(inputs.parts(request, vision_model), Deadline.after(3600))
+    assert 0 < await redis.ttl(names.image(ref.digest)) <= 300

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import fakeredis.aioredis
 import pytest
 
-from shared.errors import MediaMissing
+from shared.errors import ImageStoreFull, MediaMissing
 from shared.queue import names
 from shared.queue.media_store import (
     FileEmbeddingStore,
@@ -55,3 +56,37 @@ async def test_folder_embedding_transport_writes_atomically_and_sweeps(tmp_path:
     assert os.listdir(tmp_path / "org--model") == ["new.emb"]
     with pytest.raises(MediaMissing):
         await store.get("org/model", "old")
+
+
+async def test_image_store_counts_bytes_under_a_budget_and_the_last_holder_deletes() -> None:
+    redis = fakeredis.aioredis.FakeRedis()
+    store = ImageStore(redis, max_stored_bytes=10)
+    await store.put_many([("a", b"12345"), ("a", b"12345")], ttl_s=60)  # one request, once
+    await store.put_many([("a", b"12345")], ttl_s=60)  # a second request shares it
+    assert await store.stored_bytes() == 5
+    results = await asyncio.gather(
+        store.put_many([("b", b"123456")], ttl_s=60),
+        store.put_many([("c", b"1234")], ttl_s=60),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, ImageStoreFull) for r in results) <= 1
+    assert await store.stored_bytes() <= 10
+    with pytest.raises(ImageStoreFull) as caught:
+        await store.put_many([("d", b"123456789")], ttl_s=60)
+    assert caught.value.status == 503 and caught.value.retry_after_s >= 1
+    assert not await redis.exists(names.image("d"))
+    await store.release(["a"])
+    assert await store.get("a") == b"12345"  # the other request still holds it
+    await store.release(["a", "b", "c"])
+    assert await store.stored_bytes() == 0
+    assert [key async for key in redis.scan_iter("conveyor:image*")] == []
+
+
+async def test_expired_images_leave_the_count() -> None:
+    redis = fakeredis.aioredis.FakeRedis()
+    store = ImageStore(redis, max_stored_bytes=10)
+    await store.put_many([("a", b"123456789")], ttl_s=60)
+    await redis.delete(names.image("a"))  # as its TTL would
+    await redis.zadd(names.IMAGE_EXPIRY, {"a": 0})
+    await store.put_many([("b", b"12345")], ttl_s=60)  # fits once "a" is swept
+    assert await store.stored_bytes() == 5
