@@ -5,6 +5,7 @@ ConveyorError
 │   ├── ContextLengthExceeded (400)                   prompt + max_tokens > context window
 │   ├── UnsupportedParameter (400)                    a known OpenAI field this server cannot honour
 │   ├── RequestTooLarge (413)                         the request body is over the size limit
+│   ├── BodyReadTimeout (408)                         the request body took too long to arrive
 │   ├── ChatTemplateError (400)                       the model's chat template refuses the messages
 │   ├── ImageFetchError (400, invalid_image_url)      an image URL not allowed or not fetchable
 │   ├── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
@@ -92,6 +93,11 @@ class UnsupportedParameter(InvalidRequest):
 class RequestTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
+
+
+class BodyReadTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
 
 
 class WrongModelKind(InvalidRequest):

@@ -245,6 +245,11 @@ class GatewaySettings(ImageSettings):
         description="Largest request body, checked while it is read (413 past it). Inline "
         "(data: URL) images count: raise it to send images over ~12 MiB inline.",
     )
+    request_body_timeout_s: float = Field(
+        30.0,
+        description="How long a client may take to send a whole request body (408 past "
+        "it): a body trickled in byte by byte does not hold a connection open longer.",
+    )
     max_messages: int = Field(2048, description="Messages one chat request may carry.")
     sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")
     access_log: bool = Field(

@@ -3,6 +3,7 @@ plane on SQLite and PostgreSQL. Nothing is queued for a refused request."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from gateway.control.key_service import KeySpec
 from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db.engine import Database
+from tests.gateway.asgi_call import SlowBodyCall
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
 from tests.support.sql import SqlTarget
 
@@ -56,6 +58,23 @@ async def test_v1_needs_a_key(gateway: LiveGateway) -> None:
         assert error_of(response, 401)["code"] == "invalid_api_key"
     assert error_of(await gateway.client.get("/v1/models"), 401)["code"] == "invalid_api_key"
     assert await queued(gateway) == 0
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer cvy-not-a-key"}])
+async def test_a_keyless_request_is_refused_before_its_body_is_read(
+    gateway: LiveGateway, headers: dict[str, str]
+) -> None:
+    async with SlowBodyCall(gateway.app, CHAT, BODIES[CHAT], headers) as call:
+        assert await call.start() == 401
+        body = json.loads(await call.read_all())
+    assert body["error"]["code"] == "invalid_api_key"
+    assert call.receive_calls == 0
+
+
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/no/such/path"])
+async def test_only_health_and_ready_answer_without_a_key(gateway: LiveGateway, path: str) -> None:
+    assert error_of(await gateway.client.get(path), 401)["code"] == "invalid_api_key"
+    assert (await gateway.client.get("/health")).status_code == 200
 
 
 async def test_inference_key_answers_and_admin_key_too(gateway: LiveGateway) -> None:
