@@ -21,7 +21,7 @@ from gateway.body_limit import BodySizeLimit
 from gateway.catalog.served_models import ModelCatalog, ModelKind, load_model
 from gateway.control.plane import ControlPlane
 from gateway.dispatch.cells import build_cells, shown_url
-from gateway.edge_guard import KeyGate
+from gateway.edge_guard import EdgeGuard
 from gateway.error_handlers import install_error_handlers
 from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
@@ -86,7 +86,7 @@ def build_app(
     settings: GatewaySettings,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
 ) -> FastAPI:
-    """Routes, error funnel, the key check and body-size limit (outermost last);
+    """Routes, error funnel, the Host and key checks and the body-size limit (outermost last);
     ``app.state.gateway`` comes from ``lifespan`` (tests set it themselves)."""
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -95,7 +95,7 @@ def build_app(
         max_bytes=settings.max_request_body_bytes,
         read_timeout_s=settings.request_body_timeout_s,
     )
-    app.add_middleware(KeyGate)
+    app.add_middleware(EdgeGuard)
     app.add_middleware(RequestMetrics)
     app.include_router(openai.router)
     app.include_router(health.router)

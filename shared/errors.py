@@ -12,6 +12,7 @@ ConveyorError
 │   └── LoraLoadFailed (400, adapter_load_failed)  every worker refused a LoRA adapter (why)
 ├── InvalidApiKey (401, invalid_api_key)              no, malformed, unknown, revoked or expired key
 ├── PermissionDenied (403)                            the key lacks the scope the endpoint needs
+│   └── HostNotAllowed (403)                          auth off and a Host that is not loopback
 ├── IdempotencyConflict (409)                         same Idempotency-Key still running
 ├── ApiKeyRevoked (409)                               an admin change to a key that is revoked
 ├── LoraConflict (409)                             a LoRA name registered with another spec
@@ -134,6 +135,10 @@ class PermissionDenied(ConveyorError):
     status = 403
     type = "invalid_request_error"
     code = "insufficient_permissions"
+
+
+class HostNotAllowed(PermissionDenied):
+    code = "host_not_allowed"
 
 
 class ApiKeyNotFound(ConveyorError):

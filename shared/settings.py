@@ -229,6 +229,13 @@ class GatewaySettings(ImageSettings):
 
     host: str = Field("127.0.0.1", description="Gateway listen address.")
     port: int = Field(8000, description="Gateway listen port.")
+    allowed_hosts: str = Field(
+        "",
+        description="With auth off, Host names (comma-separated) answered besides loopback "
+        "ones (localhost, 127.0.0.0/8, ::1); `*`: any. Other names get a 403, so a web page "
+        "cannot reach a local gateway through DNS rebinding. With auth on any Host is "
+        "answered.",
+    )
     queue_max_depth: int = Field(
         1024, description="Jobs queued or running per (model, stage) before 429."
     )
