@@ -206,7 +206,11 @@ class ImageSettings(CommonSettings):
     image_max_pixels: int = Field(
         4096 * 4096, description="Largest image, in pixels (width x height)."
     )
-    image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
+    image_fetch_timeout_s: float = Field(
+        10.0,
+        description="Deadline of one image fetch, in all: redirects, name lookups and every "
+        "byte (a server sending a byte at a time cannot hold a fetch open longer).",
+    )
     max_images_per_request: int = Field(8, description="Images one chat request may carry.")
     encode: bool = Field(
         False,

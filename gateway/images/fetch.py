@@ -6,7 +6,10 @@ allowed its network (``CONVEYOR_IMAGE_PRIVATE_NETWORKS``). Redirects are
 followed by hand so each target is checked again. The connection goes to the
 address that was checked (the Host header and TLS name stay the original host),
 so a DNS answer that changes between check and connect cannot slip through.
-Concurrent fetches of the same URL share one download.
+A whole fetch (every redirect, name lookup and byte) must end within ``timeout_s``,
+so a server dripping a byte at a time cannot hold it open. Bodies are read as sent
+(``Accept-Encoding: identity``): a gzip or brotli response is refused, never inflated
+past the size cap. Concurrent fetches of the same URL share one download.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class ImageFetcher:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._inflight[url] = future
         try:
-            data = await self._download(url)
+            data = await self._download_in_time(url)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -137,6 +140,15 @@ class ImageFetcher:
         return data
 
     # ----------------------------------------------------------------- http(s) URLs
+
+    async def _download_in_time(self, url: str) -> bytes:
+        try:
+            async with asyncio.timeout(self._policy.timeout_s):
+                return await self._download(url)
+        except TimeoutError as exc:
+            raise ImageFetchError(
+                f"fetching {url!r} took longer than {self._policy.timeout_s:g}s"
+            ) from exc
 
     async def _download(self, url: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
@@ -189,7 +201,11 @@ class ImageFetcher:
         literal = f"[{address}]" if address.version == 6 else str(address)
         netloc = literal if parts.port is None else f"{literal}:{parts.port}"
         pinned = parts._replace(netloc=netloc).geturl()
-        headers = {"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*"}
+        headers = {
+            "Host": parts.netloc.rpartition("@")[2],
+            "Accept": "image/*",
+            "Accept-Encoding": "identity",
+        }
         try:
             async with self._client.stream(
                 "GET", pinned, headers=headers, extensions={"sni_hostname": host}
@@ -201,12 +217,18 @@ class ImageFetcher:
                     return location, b""
                 if response.status_code != 200:
                     raise ImageFetchError(f"fetching {url!r} returned HTTP {response.status_code}")
+                encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise ImageFetchError(
+                        f"{url!r} answered with Content-Encoding {encoding[:32]!r}; images "
+                        "are fetched uncompressed (Accept-Encoding: identity)"
+                    )
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self._policy.max_bytes:
                     raise ImageFetchError(self._too_big(int(declared)))
                 chunks: list[bytes] = []
                 size = 0
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_raw():
                     size += len(chunk)
                     if size > self._policy.max_bytes:
                         raise ImageFetchError(self._too_big(size, at_least=True))

@@ -4,9 +4,11 @@ HTTP server on loopback (allowed explicitly, as an operator would allow an image
 from __future__ import annotations
 
 import base64
+import gzip
 import http.server
 import ipaddress
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +33,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", self.path.removeprefix("/redirect?to="))
             self.end_headers()
+            return
+        if self.path == "/drip":  # a byte at a time, each well within a read timeout
+            self.send_response(200)
+            self.send_header("Content-Length", "12")
+            self.end_headers()
+            for _ in range(12):
+                self.wfile.write(b"0")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
+        if self.path == "/gzip":
+            body = gzip.compress(b"\x89PNG\r\n\x1a\n" + b"0" * 1_000_000)  # ~1 KiB sent
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         if self.path == "/big":
             body = b"\x89PNG\r\n\x1a\n" + b"0" * 5000
@@ -234,3 +253,19 @@ async def test_a_waiter_survives_the_downloader_leaving(server: str) -> None:
         assert first.cancelled()
     finally:
         await fetcher.aclose()
+
+
+async def test_a_whole_fetch_has_one_deadline(server: str) -> None:
+    fetcher = ImageFetcher(_policy(timeout_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(ImageFetchError, match=r"took longer than 0\.5s"):
+        await fetcher.fetch(f"{server}/drip")
+    assert time.monotonic() - started < 1.0
+    await fetcher.aclose()
+
+
+async def test_a_compressed_response_is_refused_not_inflated(server: str) -> None:
+    fetcher = ImageFetcher(_policy())
+    with pytest.raises(ImageFetchError, match="Content-Encoding 'gzip'"):
+        await fetcher.fetch(f"{server}/gzip")
+    await fetcher.aclose()
