@@ -21,7 +21,7 @@ import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote_to_bytes, urljoin, urlsplit
+from urllib.parse import SplitResult, unquote_to_bytes, urljoin, urlsplit
 
 import httpx
 
@@ -89,7 +89,7 @@ class ImageFetcher:
 
     async def fetch(self, url: str) -> bytes:
         """The bytes at ``url``; raises ImageFetchError with the reason."""
-        scheme = urlsplit(url).scheme.lower()
+        scheme = split_url(url).scheme.lower()
         self._check_scheme(scheme)
         if scheme == "data":
             return self._decode_data_url(url)
@@ -152,14 +152,11 @@ class ImageFetcher:
 
     async def _download(self, url: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
-            parts = urlsplit(url)
+            parts = split_url(url)
             self._check_scheme(parts.scheme.lower())
             if parts.scheme.lower() == "data":
                 raise ImageFetchError("a redirect to a data: URL is not followed")
-            host = parts.hostname
-            if not host:
-                raise ImageFetchError(f"URL has no host: {url!r}")
-            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+            host, port = host_and_port(parts, url)
             address = await self._checked_address(host, port)
             location, body = await self._get(url, host, address)
             if location is None:
@@ -175,8 +172,9 @@ class ImageFetcher:
                 addresses = await asyncio.wait_for(
                     self._resolve(host, port), self._policy.timeout_s
                 )
-            except (OSError, TimeoutError) as exc:
-                raise ImageFetchError(f"cannot resolve host {host!r}: {exc or 'timeout'}") from exc
+            except (OSError, TimeoutError, ValueError) as exc:  # UnicodeError: a bad IDNA name
+                reason = exc or "timeout"
+                raise ImageFetchError(f"cannot resolve host {host[:256]!r}: {reason}") from exc
         if not addresses:
             raise ImageFetchError(f"host {host!r} has no address")
         for address in addresses:
@@ -251,6 +249,26 @@ class ImageFetcher:
     def _too_big(self, size: int, *, at_least: bool = False) -> str:
         more = "more than " if at_least else ""
         return f"image is {more}{size} bytes; the limit is {self._policy.max_bytes}"
+
+
+def split_url(url: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # e.g. "http://[::1" (an unclosed IPv6 literal)
+        raise ImageFetchError(f"malformed image URL {url[:256]!r}: {exc}") from exc
+
+
+def host_and_port(parts: SplitResult, url: str) -> tuple[str, int]:
+    """The host (IDNA-checked) and port of an http(s) URL; ImageFetchError if malformed."""
+    try:
+        host, port = parts.hostname, parts.port
+        if host:
+            host.encode("idna")  # a label over 63 characters, an empty label, ...
+    except ValueError as exc:  # UnicodeError is one
+        raise ImageFetchError(f"malformed image URL {url[:256]!r}: {exc}") from exc
+    if not host:
+        raise ImageFetchError(f"URL has no host: {url[:256]!r}")
+    return host, port or (443 if parts.scheme.lower() == "https" else 80)
 
 
 def allowed_schemes(text: str | Sequence[str]) -> frozenset[str]:

@@ -52,7 +52,9 @@ async def plane_factory(sql_target: SqlTarget, database: Database) -> AsyncItera
     planes: list[ControlPlane] = []
 
     async def make(**settings_fields: Any) -> tuple[httpx.AsyncClient, ControlPlane]:
-        settings = Settings(database_url=sql_target.url, **settings_fields)
+        settings = Settings(
+            database_url=sql_target.url, **{"allowed_hosts": "gw", **settings_fields}
+        )
         plane = ControlPlane(settings, FakeRedis(), "gw-test")
         await plane.start()
         planes.append(plane)
@@ -251,6 +253,8 @@ async def test_usage_rows_and_totals(plane_factory: Any, database: Database) -> 
             ("since=yesterday", "since"),
             ("limit=0", "limit"),
             ("until=-5", "until"),
+            ("since=99999999999d", "since"),
+            ("until=99999999999999", "until"),
         ):
             assert error_of(await client.get(f"/admin/usage?{query}"), 400)["param"] == param
 

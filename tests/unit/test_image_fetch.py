@@ -182,6 +182,10 @@ async def test_follows_a_redirect_to_an_allowed_place(server: str) -> None:
         ("data:text/plain;base64,aGVsbG8=", "must be image/"),
         ("data:image/png,rawbytes", "must be base64"),
         ("data:image/png;base64", "no comma"),
+        ("http://[::1/x.png", "malformed image URL"),
+        ("http://example.com:99999/x.png", "malformed image URL"),
+        ("http://" + "a" * 64 + ".example.com/x.png", "malformed image URL"),
+        ("http://a..example.com/x.png", "malformed image URL"),
     ],
 )
 async def test_refuses_bad_urls(url: str, reason: str) -> None:
