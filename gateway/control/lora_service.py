@@ -173,7 +173,7 @@ class LoraService:
                 await self.publish(spec.base_model)
             except RedisError as exc:
                 await self._insert(spec)
-                raise BackendUnavailable(f"could not publish the removal: {exc}") from exc
+                raise _unreachable("could not publish the removal", exc) from exc
         log.info("adapter %s removed", name)
         return spec
 
@@ -212,7 +212,7 @@ class LoraService:
             raise InvalidRequest(f"`{spec.name}` is a served model's name", param="name")
         if spec.base_model not in bases:
             raise ModelNotFound(
-                f"base_model `{spec.base_model}` is not a text generation model served here "
+                f"base_model `{spec.base_model[:64]}` is not a text generation model served here "
                 f"({', '.join(sorted(bases)) or 'none'})",
                 param="base_model",
             )
@@ -227,7 +227,7 @@ class LoraService:
         try:
             acquired = await lock.acquire()
         except RedisError as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+            raise _unreachable("Redis is unreachable", exc) from exc
         if not acquired:
             raise LoraConflict(f"adapter `{name}` is being changed; retry", param="name")
         try:
@@ -240,7 +240,7 @@ class LoraService:
         try:
             workers = await self._live_workers(base_model)
         except RedisError as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+            raise _unreachable("Redis is unreachable", exc) from exc
         return [w for w in workers if w.model == base_model and w.role is SERVING_ROLE]
 
     async def _insert(self, spec: LoraSpec) -> None:
@@ -260,7 +260,7 @@ class LoraService:
         except RedisError as exc:
             if new:
                 await self._roll_back(spec)
-            raise BackendUnavailable(f"could not publish the adapter: {exc}") from exc
+            raise _unreachable("could not publish the adapter", exc) from exc
         if state.loaded:
             return state
         if new:
@@ -300,3 +300,9 @@ def _states(workers: Iterable[WorkerRegistration], name: str, base_model: str) -
         for w in sorted(workers, key=lambda w: w.worker_id)
         if w.model == base_model and w.role is SERVING_ROLE
     }
+
+
+def _unreachable(what: str, exc: RedisError) -> BackendUnavailable:
+    """The 503 says what failed; Redis's own message (its address) goes to the log only."""
+    log.warning("%s: %s", what, exc)
+    return BackendUnavailable(f"{what}; retry")

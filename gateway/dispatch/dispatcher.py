@@ -209,7 +209,8 @@ class Dispatcher:
             )
         except RedisError as exc:
             self._router.close(request_id)
-            raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
+            log.warning("the job queue is unreachable: %s", exc)
+            raise BackendUnavailable("the job queue is unreachable; retry") from exc
         headers = result.usage.headers() if result.usage is not None else {}
         if result.outcome is not Admission.QUEUED:
             self._router.close(request_id)

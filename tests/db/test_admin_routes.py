@@ -271,6 +271,23 @@ async def test_ready_reports_the_control_plane(plane_factory: Any) -> None:
         assert state["control"]["database"]["url"] and state["gateway_id"] == "gw-test"
 
 
+async def test_ready_details_are_for_an_admin_key_only(plane_factory: Any) -> None:
+    client, plane = await plane_factory(admin_key=ADMIN_KEY)
+    async with client:
+        anyone = await client.get("/ready")
+        assert anyone.status_code == 200
+        assert anyone.json() == {"ready": True, "problems": []}
+        admin = (await client.get("/ready", headers=bearer(ADMIN_KEY))).json()
+        assert admin["control"]["auth"] == "on" and "dialect" in admin["control"]["database"]
+        plane.schema_error = "OperationalError: connection to db.internal.corp refused"
+        plane.schema = None
+        anyone = await client.get("/ready")
+        assert anyone.status_code == 503
+        assert anyone.json() == {"ready": False, "problems": ["control plane not ready"]}
+        admin = (await client.get("/ready", headers=bearer(ADMIN_KEY))).json()
+        assert any("db.internal.corp" in problem for problem in admin["problems"])
+
+
 async def test_an_external_database_behind_head_is_not_ready_and_not_migrated(
     sql_target: SqlTarget,
 ) -> None:

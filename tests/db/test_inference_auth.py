@@ -86,6 +86,18 @@ async def test_inference_key_answers_and_admin_key_too(gateway: LiveGateway) -> 
         assert response.status_code == 200, response.text
 
 
+async def test_a_model_card_shows_the_server_path_to_an_admin_key_only(
+    gateway: LiveGateway,
+) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    card = (await gateway.client.get("/v1/models/tiny", headers=bearer(secret))).json()
+    assert card["root"] == "tiny"
+    listed = (await gateway.client.get("/v1/models", headers=bearer(secret))).json()["data"]
+    assert {c["root"] for c in listed} == {c["id"] for c in listed}
+    card = (await gateway.client.get("/v1/models/tiny", headers=bearer(ADMIN_KEY))).json()
+    assert card["root"] == gateway.state.catalog.get("tiny").path
+
+
 async def test_inference_key_may_not_call_admin(gateway: LiveGateway) -> None:
     secret = await new_key(gateway, {Scope.INFERENCE})
     response = await gateway.client.get("/admin/state", headers=bearer(secret))
