@@ -187,10 +187,15 @@ class ImageFetcher:
         return addresses[0]
 
     def _allowed(self, address: IPAddress) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        """An IPv6 address that carries an IPv4 one (mapped, compatible, NAT64, 6to4,
+        Teredo) is judged by every IPv4 address it carries: each reaches that host
+        (unless the operator allowed the IPv6 network itself)."""
         if any(address in network for network in self._policy.private_networks):
             return True
+        if isinstance(address, ipaddress.IPv6Address):
+            carried = embedded_ipv4(address)
+            if carried:
+                return all(self._allowed(inner) for inner in carried)
         return address.is_global and not address.is_multicast
 
     async def _get(self, url: str, host: str, address: IPAddress) -> tuple[str | None, bytes]:
@@ -249,6 +254,25 @@ class ImageFetcher:
     def _too_big(self, size: int, *, at_least: bool = False) -> str:
         more = "more than " if at_least else ""
         return f"image is {more}{size} bytes; the limit is {self._policy.max_bytes}"
+
+
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address leads to: IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``), NAT64 (``64:ff9b::/96``), 6to4 (``2002::/16``) and
+    Teredo (``2001::/32``: server and client). Empty for a plain IPv6 address."""
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]
+    if address in NAT64 or address in IPV4_COMPATIBLE:
+        return [ipaddress.IPv4Address(address.packed[12:])]
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    if address.teredo is not None:
+        return list(address.teredo)
+    return []
 
 
 def split_url(url: str) -> SplitResult:

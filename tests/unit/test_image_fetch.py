@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.images.fetch import FetchPolicy, ImageFetcher, IPAddress
+from gateway.images.fetch import FetchPolicy, ImageFetcher, IPAddress, embedded_ipv4
 from shared.errors import ImageFetchError
 
 PNG = base64.b64decode(
@@ -123,6 +123,13 @@ async def test_connects_to_the_checked_address_with_the_original_host_header(ser
         "http://127.0.0.1:9/x.png",
         "http://10.1.2.3/x.png",
         "http://169.254.169.254/latest/meta-data",
+        "http://[::127.0.0.1]/x.png",  # IPv4-compatible
+        "http://[::a9fe:a9fe]/latest/meta-data",
+        "http://[64:ff9b::7f00:1]/x.png",  # NAT64
+        "http://[64:ff9b::a9fe:a9fe]/latest/meta-data",
+        "http://[2002:7f00:1::]/x.png",  # 6to4
+        "http://[2002:a9fe:a9fe::1]/latest/meta-data",
+        "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/x.png",  # Teredo, client 127.0.0.1
         "http://[::1]/x.png",
         "http://[::ffff:10.0.0.1]/x.png",
         "http://0.0.0.0/x.png",
@@ -272,4 +279,27 @@ async def test_a_compressed_response_is_refused_not_inflated(server: str) -> Non
     fetcher = ImageFetcher(_policy())
     with pytest.raises(ImageFetchError, match="Content-Encoding 'gzip'"):
         await fetcher.fetch(f"{server}/gzip")
+    await fetcher.aclose()
+
+
+@pytest.mark.parametrize(
+    ("address", "carried"),
+    [
+        ("::ffff:10.0.0.1", ["10.0.0.1"]),
+        ("::10.0.0.1", ["10.0.0.1"]),
+        ("64:ff9b::8.8.8.8", ["8.8.8.8"]),
+        ("2002:0808:0808::", ["8.8.8.8"]),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", ["65.54.227.120", "127.0.0.1"]),
+        ("2001:4860:4860::8888", []),
+    ],
+)
+def test_ipv6_addresses_that_carry_ipv4_ones(address: str, carried: list[str]) -> None:
+    found = embedded_ipv4(ipaddress.IPv6Address(address))
+    assert [str(inner) for inner in found] == carried
+
+
+async def test_a_carried_public_ipv4_address_is_allowed() -> None:
+    fetcher = ImageFetcher(_policy(private_networks=()))
+    assert fetcher._allowed(ipaddress.ip_address("64:ff9b::808:808"))
+    assert not fetcher._allowed(ipaddress.ip_address("64:ff9b::a00:1"))
     await fetcher.aclose()
