@@ -118,6 +118,12 @@ class CommonSettings(BaseSettings):
         "metrics,admin",
         description="Scopes (comma-separated) any one of which lets a key read /metrics.",
     )
+    lora_roots: str = Field(
+        "",
+        description="Folders LoRA adapters may be loaded from (comma-separated), judged with "
+        "symlinks resolved. Empty: <data_dir> (where `conveyor up --lora-demo` writes its "
+        "adapter) and /adapters (compose's mount of ADAPTERS_DIR).",
+    )
     heartbeat_ttl_s: float = Field(
         1.5,
         description="A worker not heard from for this long counts as dead (its jobs are "
@@ -184,6 +190,11 @@ class CommonSettings(BaseSettings):
         """CONVEYOR_ADMIN_KEY's value (an empty value counts as unset)."""
         value = self.admin_key.get_secret_value() if self.admin_key is not None else ""
         return value or None
+
+    def lora_root_paths(self) -> tuple[Path, ...]:
+        """CONVEYOR_LORA_ROOTS as paths (default: the data dir and /adapters)."""
+        named = [part.strip() for part in self.lora_roots.split(",") if part.strip()]
+        return tuple(Path(part) for part in named) or (self.data_dir.resolve(), Path("/adapters"))
 
     def demo_model_path(self, kind: str = "llama") -> Path:
         return self.data_dir / ("demo-model" if kind == "llama" else f"demo-model-{kind}")

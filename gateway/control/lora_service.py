@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import redis.asyncio as aioredis
 from redis.exceptions import LockError, RedisError
@@ -43,6 +43,7 @@ from shared.errors import (
     ModelNotFound,
     NoLiveWorker,
 )
+from shared.lora_paths import OUTSIDE_ROOTS, resolve_in_roots
 from shared.queue import names
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.queue.lora_registry import (
@@ -83,16 +84,19 @@ class LoraService:
         *,
         bases: Callable[[], Iterable[str]],
         load_timeout_s: float,
+        roots: Sequence[Path],
         redis_for: Callable[[str], aioredis.Redis] | None = None,
     ) -> None:
         """``redis`` holds the adapter locks; ``redis_for(base_model)`` the Redis of a base
-        model's workers, where its desired state is published (default ``redis``)."""
+        model's workers, where its desired state is published (default ``redis``); an
+        adapter's path must lie inside ``roots`` (CONVEYOR_LORA_ROOTS)."""
         self._sessions = sessions
         self._redis = redis
         self._redis_for: Callable[[str], aioredis.Redis] = redis_for or (lambda base: redis)
         self._bases = bases
         """The generation models served here: the base models adapters may name."""
         self._load_timeout_s = load_timeout_s
+        self._roots = tuple(roots)
 
     # ------------------------------------------------------------------ publishing
 
@@ -207,6 +211,8 @@ class LoraService:
                 "PEFT adapter folder the workers can read",
                 param="path",
             )
+        if resolve_in_roots(spec.path, self._roots) is None:
+            raise InvalidRequest(OUTSIDE_ROOTS, param="path")
         bases = set(self._bases())
         if spec.name in bases:
             raise InvalidRequest(f"`{spec.name}` is a served model's name", param="name")
