@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from shared.connections.connect import db_of
 from shared.connections.retry import Backoff, retry
 from shared.errors import (
     BackendUnavailable,
+    ConveyorError,
     IdempotencyConflict,
     NoLiveWorker,
     Overloaded,
@@ -87,6 +88,8 @@ class Dispatcher:
         self._directory = directory
         self._policy = policy
         self._background: set[asyncio.Task[None]] = set()
+        self._open_by_key: dict[str, set[str]] = {}
+        """Each API key's open requests (to end them when the key is revoked)."""
         self.accounting = RequestAccounting(
             redis, names.gateway_of_reply_stream(router.stream), on_usage
         )
@@ -223,6 +226,8 @@ class Dispatcher:
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
         self.accounting.opened(plan)
+        if plan.key_id is not None:
+            self._open_by_key.setdefault(plan.key_id, set()).add(request_id)
         handle = RequestHandle(
             request_id,
             len(jobs),
@@ -247,9 +252,21 @@ class Dispatcher:
         """The request ended (its handle's owner left): close its route, cancel what still
         runs, settle its key's limits and write its usage row (in the background)."""
         self.close(plan.request_id, cancel=cancel)
+        if plan.key_id is not None:
+            open_of_key = self._open_by_key.get(plan.key_id, set())
+            open_of_key.discard(plan.request_id)
+            if not open_of_key:
+                self._open_by_key.pop(plan.key_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
         self._in_background(self.accounting.settle(plan, record, used))
+
+    def end_requests_of(self, key_ids: Iterable[str], error: ConveyorError) -> int:
+        """End the open requests of these API keys with ``error`` (a stream gets it as its
+        last event); each one's handle then closes and cancels what still runs."""
+        ended = [rid for key_id in key_ids for rid in self._open_by_key.get(key_id, ())]
+        self._router.interrupt(ended, error.message, error)
+        return len(ended)
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)

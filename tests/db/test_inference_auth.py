@@ -3,6 +3,7 @@ plane on SQLite and PostgreSQL. Nothing is queued for a refused request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,7 @@ from gateway.control.records import Scope
 from gateway.db.engine import Database
 from tests.gateway.asgi_call import SlowBodyCall
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
+from tests.gateway.test_disconnects import endless
 from tests.support.sql import SqlTarget
 
 ADMIN_KEY = "admin-key-for-inference-tests-0123456789"
@@ -28,7 +30,7 @@ async def gateway(
     async with live_gateway(served_model, database_url=sql_target.url, admin_key=ADMIN_KEY) as live:
         plane = ControlPlane(live.state.settings, live.redis, "gw-test")
         await plane.start()
-        live.state.control = plane
+        live.state.attach(plane)
         try:
             yield live
         finally:
@@ -132,3 +134,29 @@ async def test_a_revoked_key_stops_at_once(gateway: LiveGateway) -> None:
     await gateway.state.control.keys.reload()
     response = await gateway.client.post(CHAT, json=BODIES[CHAT], headers=bearer(secret))
     assert error_of(response, 401)["code"] == "invalid_api_key"
+
+
+async def test_revoking_a_key_ends_its_open_streams(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    other = await new_key(gateway, {Scope.INFERENCE})
+    gateway.workers[0].script = endless
+    assert gateway.state.control is not None
+    body = {**BODIES[CHAT], "max_tokens": 30, "stream": True}
+    async with (
+        gateway.call(CHAT, body, **bearer(secret)) as revoked,
+        gateway.call(CHAT, body, **bearer(other)) as kept,
+    ):
+        assert await revoked.start() == 200 and await kept.start() == 200
+        await revoked.read_until("t2 ")
+        await kept.read_until("t2 ")
+        key_id = gateway.state.control.keys.resolve(secret).key_id  # type: ignore[union-attr]
+        assert key_id is not None
+        await gateway.state.control.key_service.revoke(key_id)
+        await gateway.state.control.keys.reload()
+        text = await asyncio.wait_for(revoked.read_all(), 5)
+        last = [line for line in text.splitlines() if line.startswith("data: {")][-1]
+        assert json.loads(last[6:])["error"]["code"] == "invalid_api_key"
+        assert "revoked" in json.loads(last[6:])["error"]["message"]
+        await revoked.finished()
+        assert gateway.state.cells.open_requests() == 1  # the other key's stream runs on
+        await kept.read_until("t5 ")

@@ -42,7 +42,7 @@ async def gateway(
     ) as live:
         plane = ControlPlane(live.state.settings, live.redis, "gw-test", bases=live_bases(live))
         await plane.start()
-        live.state.control = plane
+        live.state.attach(plane)
         try:
             yield live
         finally:
