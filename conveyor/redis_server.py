@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from urllib.parse import urlparse
 
 from redis.exceptions import RedisError
 
-from conveyor.supervisor import die_with_parent
+from conveyor.supervisor import parent_death_signal
 from shared.connections.url import is_sentinel_url, parse_sentinel_url, shown_url, sync_client
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
     # Its own session, like the other children: Ctrl-C reaches `up` alone, and `up` stops
     # Redis last, once the workers have left the registry through it.
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
+        command,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(signal.SIGTERM),  # SIGTERM: it syncs its AOF first
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
