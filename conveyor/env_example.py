@@ -22,12 +22,15 @@ HEADER = """\
 #   CONVEYOR_REDIS_URL (default redis://redis:6379/0; yours wins), CONVEYOR_DATABASE_URL
 #   (from POSTGRES_*), CONVEYOR_DATA_DIR, CONVEYOR_HOST/PORT, CONVEYOR_ROLE (each worker's
 #   command), CONVEYOR_KV_SIDE_CHANNEL_HOST=auto (prefill/decode),
-#   CONVEYOR_ALLOW_UNAUTHENTICATED_PUBLIC (default true: published on loopback only).
+#   CONVEYOR_ALLOW_UNAUTHENTICATED_PUBLIC (default false).
+# Required (`docker compose` stops without them): CONVEYOR_ADMIN_KEY, REDIS_PASSWORD and
+# POSTGRES_PASSWORD; make each random, e.g. `openssl rand -hex 32` (docs/security.md).
 """
 
 COMPOSE_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("IMAGE_REPOSITORY", "conveyor", "Image name; services tag it :cpu or :gpu."),
-    ("POSTGRES_PASSWORD", "conveyor", "Password of the `conveyor` PostgreSQL user."),
+    ("POSTGRES_PASSWORD", "", "Required: password of the `conveyor` PostgreSQL user."),
+    ("REDIS_PASSWORD", "", "Required: Redis password (URL-safe characters, e.g. hex)."),
     ("POSTGRES_HOST", "postgres", "PostgreSQL host (another host's address: multi-host)."),
     ("GATEWAY_PUBLISH", "127.0.0.1:8000", "Host address:port the gateway is published on."),
     ("MODELS_DIR", "./models", "Host folder mounted at /models (CONVEYOR_MODEL=/models/NAME)."),

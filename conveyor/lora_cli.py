@@ -64,6 +64,7 @@ async def run_lora(args: argparse.Namespace, settings: Settings) -> int:
                 redis,
                 bases=lambda: served,
                 load_timeout_s=settings.lora_load_timeout_s,
+                roots=settings.lora_root_paths(),
                 redis_for=model_redis.for_model,
             )
             return await _run(service, args, settings)
@@ -161,6 +162,7 @@ async def _preload(settings: Settings) -> None:
             redis,
             bases=lambda: [spec.base_model],
             load_timeout_s=settings.lora_load_timeout_s,
+            roots=settings.lora_root_paths(),
         )
         added = await service.add_if_absent(spec)
         await service.publish(spec.base_model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,8 +16,8 @@ from urllib.parse import urlparse
 
 from redis.exceptions import RedisError
 
-from conveyor.supervisor import die_with_parent
-from shared.connections.url import is_sentinel_url, parse_sentinel_url, sync_client
+from conveyor.supervisor import parent_death_signal
+from shared.connections.url import is_sentinel_url, parse_sentinel_url, shown_url, sync_client
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,12 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
             "`conveyor up` starts a private Redis for a redis:// URL only: start the "
             "Sentinels and the master they watch first"
         )
-    log.info("no Redis answers at %s; starting a private one", url)
+    log.info("no Redis answers at %s; starting a private one", shown_url(url))
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(
-            f"no Redis answers at {url} and no redis-server binary is installed; install one "
-            "(apt-get install redis-server) or point CONVEYOR_REDIS_URL at a Redis"
+            f"no Redis answers at {shown_url(url)} and no redis-server binary is installed; "
+            "install one (apt-get install redis-server) or point CONVEYOR_REDIS_URL at a Redis"
         )
     parsed = urlparse(url)
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
@@ -78,18 +79,23 @@ def start_private_redis(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
     # Its own session, like the other children: Ctrl-C reaches `up` alone, and `up` stops
     # Redis last, once the workers have left the registry through it.
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
+        command,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(signal.SIGTERM),  # SIGTERM: it syncs its AOF first
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if redis_answers(url, 0.2):
-            log.info("started a private redis-server at %s (data in %s)", url, folder)
+            log.info("started a private redis-server at %s (data in %s)", shown_url(url), folder)
             return process
         if process.poll() is not None:
             break
         time.sleep(0.1)
     process.kill()
-    raise RuntimeError(f"redis-server did not start at {url}; see {folder / 'redis.log'}")
+    raise RuntimeError(
+        f"redis-server did not start at {shown_url(url)}; see {folder / 'redis.log'}"
+    )
 
 
 def stop_private_redis(process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:

@@ -1,8 +1,12 @@
 """`conveyor up`'s process tree: start children, restart the ones that die, stop them all.
 
 Every child is its own OS process (`conveyor gateway`, `conveyor worker --role
-...`) in this process's group and is told to exit when this process dies
-(PR_SET_PDEATHSIG), so Ctrl-C or a crash of `up` leaves nothing running.
+...`) in a session of its own, and is SIGKILLed by the kernel when this process dies
+(PR_SET_PDEATHSIG, Linux): a worker still loading its engine defers SIGTERM until the
+load is done, so a `conveyor up` killed before its children stopped (or before it could
+stop them) must not leave one running. On a stop, no child is started or restarted any
+more, and one still starting is stopped like the rest: SIGTERM, then SIGKILL to its
+whole process group after the grace period.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,9 +31,29 @@ EXIT_CONFIG_ERROR = 2
 """A child that exits with this code cannot start as configured: restarting is pointless."""
 
 
-def die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def parent_death_signal(sig: signal.Signals) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when this process dies (Linux only; a no-op
+    elsewhere). A parent that died before the child asked gets it at once."""
+    parent = os.getpid()
+    libc = _libc()
+
+    def preexec() -> None:
+        if libc is None:
+            return
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig)) == 0 and os.getppid() != parent:
+            os.kill(os.getpid(), sig)  # the parent is already gone: no signal would come
+
+    return preexec
+
+
+def _libc() -> ctypes.CDLL | None:
+    """Loaded in the parent: the child runs as little as possible between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 @dataclass
@@ -51,7 +76,7 @@ class Child:
             self.command,
             env=self.env,
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            preexec_fn=parent_death_signal(signal.SIGKILL),
             start_new_session=True,
         )
         self.started_monotonic = time.monotonic()
@@ -103,7 +128,7 @@ class Supervisor:
             time.sleep(STOP_CHECK_S)
 
     def _check(self, child: Child) -> None:
-        if child.alive():
+        if child.alive() or self._stopping:
             return
         now = time.monotonic()
         if child.process is not None and child.next_start_monotonic == 0.0:
@@ -125,7 +150,7 @@ class Supervisor:
             child.restarts += 1
             child.next_start_monotonic = now + delay
             log.warning("%s exited with %s; restarting in %.0fs", child.name, code, delay)
-        if now >= child.next_start_monotonic:
+        if now >= child.next_start_monotonic and not self._stopping:
             child.next_start_monotonic = 0.0
             child.start()
 
@@ -142,9 +167,10 @@ class Supervisor:
         for name, process in processes:
             try:
                 process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # e.g. a worker still loading its engine
                 log.warning("%s did not stop in time; killing it", name)
-                process.kill()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         for child in self.children:
             child.kill_leftovers()

@@ -20,7 +20,8 @@ from gateway.auth import check_auth_settings
 from gateway.body_limit import BodySizeLimit
 from gateway.catalog.served_models import ModelCatalog, ModelKind, load_model
 from gateway.control.plane import ControlPlane
-from gateway.dispatch.cells import build_cells, shown_url
+from gateway.dispatch.cells import build_cells
+from gateway.edge_guard import EdgeGuard
 from gateway.error_handlers import install_error_handlers
 from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
@@ -30,6 +31,7 @@ from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
 from gateway.state import GatewayState
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
+from shared.connections.url import shown_url
 from shared.images import ImageLimits
 from shared.queue import names
 from shared.queue.media_store import ImageStore
@@ -49,7 +51,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             settings, model_redis.home, catalog, _new_gateway_id(), model_redis=model_redis
         )
         app.state.gateway = state
-        control = state.control = ControlPlane(
+        control = ControlPlane(
             settings,
             state.redis,
             state.gateway_id,
@@ -57,6 +59,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             cells=[cell.redis for cell in state.cells.others()],
             redis_for=model_redis.for_model,
         )
+        state.attach(control)
         await control.start()
         tasks = []
         for cell in state.cells.all():
@@ -85,11 +88,16 @@ def build_app(
     settings: GatewaySettings,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
 ) -> FastAPI:
-    """Routes, error funnel and body-size limit; ``app.state.gateway`` comes from
-    ``lifespan`` (tests set it themselves)."""
+    """Routes, error funnel, the Host and key checks and the body-size limit (outermost last);
+    ``app.state.gateway`` comes from ``lifespan`` (tests set it themselves)."""
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_request_body_bytes,
+        read_timeout_s=settings.request_body_timeout_s,
+    )
+    app.add_middleware(EdgeGuard)
     app.add_middleware(RequestMetrics)
     app.include_router(openai.router)
     app.include_router(vllm.router)

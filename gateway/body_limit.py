@@ -1,24 +1,29 @@
-"""ASGI middleware that caps the size of a request body while it is read.
+"""ASGI middleware that caps the size of a request body, and the time it takes, while it
+is read.
 
 A declared ``Content-Length`` over the limit is refused before a byte of the body
 is read; a chunked body is counted as it arrives and refused as soon as it passes
 the limit. Either way the client gets a 413 in OpenAI's error shape and nothing
 downstream (JSON parsing, tokenization) runs. A body within the limit is handed
-on whole; later ``receive`` calls (disconnect detection) go to the server.
+on whole; later ``receive`` calls (disconnect detection) go to the server. A body
+that has not arrived whole within ``read_timeout_s`` (bytes trickling in) is a 408.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.errors import RequestTooLarge
+from shared.errors import BodyReadTimeout, ConveyorError, RequestTooLarge
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, read_timeout_s: float) -> None:
         self._app = app
         self._max_bytes = max_bytes
+        self._read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -26,11 +31,20 @@ class BodySizeLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self._max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(self._too_large(), scope, receive, send)
             return
-        first = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self._read_timeout_s):
+                first = await self._read_body(receive)
+        except TimeoutError:
+            error = BodyReadTimeout(
+                f"the request body did not arrive within {self._read_timeout_s:g} s "
+                "(CONVEYOR_REQUEST_BODY_TIMEOUT_S)"
+            )
+            await self._refuse(error, scope, receive, send)
+            return
         if first is None:
-            await self._refuse(scope, receive, send)
+            await self._refuse(self._too_large(), scope, receive, send)
             return
         replayed = False
 
@@ -59,11 +73,15 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = RequestTooLarge(
+    def _too_large(self) -> RequestTooLarge:
+        return RequestTooLarge(
             f"the request body is larger than {self._max_bytes} bytes "
             "(CONVEYOR_MAX_REQUEST_BODY_BYTES)"
         )
+
+    async def _refuse(
+        self, error: ConveyorError, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         response = JSONResponse(
             error.to_openai(), status_code=error.status, headers={"Connection": "close"}
         )

@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 async def _conveyor_error(_: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, ConveyorError):  # registered for ConveyorError only
         raise exc
-    headers = dict(exc.headers)
+    return error_response(exc)
+
+
+def error_response(exc: ConveyorError, **extra_headers: str) -> JSONResponse:
+    """``exc`` as its OpenAI-shaped response (``Retry-After`` for a retryable one)."""
+    headers = {**exc.headers, **extra_headers}
     if isinstance(exc, RetryableError):
         headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)

@@ -33,7 +33,12 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False
     control: ControlPlane | None = None
-    """SQL-backed parts (API keys, usage ledger); set by the lifespan once started."""
+    """SQL-backed parts (API keys, usage ledger); set by the lifespan (:meth:`attach`)."""
+
+    def attach(self, control: ControlPlane) -> None:
+        """Serve with ``control``; a key it sees revoked has its open requests ended."""
+        self.control = control
+        control.keys.on_revoked = self.cells.end_requests_of
 
 
 def _state(request: Request) -> GatewayState:

@@ -59,7 +59,8 @@ BELOW: dict[str, tuple[str, ...]] = {
         "gateway.error_handlers",
         "gateway.body_limit",
     ),
-    "gateway.app": ("gateway.routes",),
+    "gateway.edge_guard": ("gateway.auth", "gateway.error_handlers"),
+    "gateway.app": ("gateway.routes", "gateway.edge_guard"),
     "gateway.server": ("gateway.app",),
     # the command line starts everything, and writes the demo models
     "conveyor": ("gateway.server", "workers.main", "shared.demo"),

@@ -5,12 +5,14 @@ ConveyorError
 │   ├── ContextLengthExceeded (400)                   prompt + max_tokens > context window
 │   ├── UnsupportedParameter (400)                    a known OpenAI field this server cannot honour
 │   ├── RequestTooLarge (413)                         the request body is over the size limit
+│   ├── BodyReadTimeout (408)                         the request body took too long to arrive
 │   ├── ChatTemplateError (400)                       the model's chat template refuses the messages
 │   ├── ImageFetchError (400, invalid_image_url)      an image URL not allowed or not fetchable
 │   ├── InvalidImage (400, invalid_image)             bytes that are not an image Conveyor takes
 │   └── LoraLoadFailed (400, adapter_load_failed)  every worker refused a LoRA adapter (why)
 ├── InvalidApiKey (401, invalid_api_key)              no, malformed, unknown, revoked or expired key
 ├── PermissionDenied (403)                            the key lacks the scope the endpoint needs
+│   └── HostNotAllowed (403)                          auth off and a Host that is not loopback
 ├── IdempotencyConflict (409)                         same Idempotency-Key still running
 ├── ApiKeyRevoked (409)                               an admin change to a key that is revoked
 ├── LoraConflict (409)                             a LoRA name registered with another spec
@@ -95,6 +97,11 @@ class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class BodyReadTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
+
+
 class WrongModelKind(InvalidRequest):
     """An embedding model asked to generate, or a generation model asked to embed."""
 
@@ -129,6 +136,10 @@ class PermissionDenied(ConveyorError):
     status = 403
     type = "invalid_request_error"
     code = "insufficient_permissions"
+
+
+class HostNotAllowed(PermissionDenied):
+    code = "host_not_allowed"
 
 
 class ApiKeyNotFound(ConveyorError):

@@ -2,7 +2,9 @@
 
 An image is named by the SHA-256 of its bytes (never by its URL), so the same picture
 sent under two URLs, or once as a URL and once inline, is one image to every cache.
-Only JPEG, PNG and WEBP are accepted; everything is decoded to RGB.
+Only JPEG, PNG and WEBP are accepted, at most ``MAX_ASPECT_RATIO`` times longer than
+wide (or wider than long): a 1,048,576 x 16 strip passes a pixel cap but can blow up a
+vision processor's resize. Everything is decoded to RGB.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 FORMATS: Final = ("JPEG", "PNG", "WEBP")
+MAX_ASPECT_RATIO: Final = 200
+"""The longer side over the shorter one (Qwen2-VL's image processor refuses past 200)."""
 _MAGIC: Final = (
     (b"\xff\xd8\xff", "JPEG"),
     (b"\x89PNG\r\n\x1a\n", "PNG"),
@@ -65,14 +69,25 @@ def check_image(data: bytes, limits: ImageLimits) -> tuple[int, int]:
             if image.format not in FORMATS:
                 raise InvalidImage(f"image format {image.format} is not JPEG, PNG or WEBP")
             width, height = image.size
-            if width * height > limits.max_pixels:
-                raise InvalidImage(
-                    f"image is {width}x{height} pixels; the limit is {limits.max_pixels} pixels"
-                )
+            _check_size(width, height, limits)
             image.verify()
+    except PILImage.DecompressionBombError as exc:  # more pixels than Pillow opens at all
+        raise InvalidImage(f"image has too many pixels; the limit is {limits.max_pixels}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InvalidImage(f"the image cannot be decoded: {exc}") from exc
     return width, height
+
+
+def _check_size(width: int, height: int, limits: ImageLimits) -> None:
+    if width * height > limits.max_pixels:
+        raise InvalidImage(
+            f"image is {width}x{height} pixels; the limit is {limits.max_pixels} pixels"
+        )
+    if min(width, height) < 1 or max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise InvalidImage(
+            f"image is {width}x{height} pixels; one side may be at most {MAX_ASPECT_RATIO} "
+            "times the other"
+        )
 
 
 def decode_rgb(data: bytes) -> Image:

@@ -121,6 +121,12 @@ class CommonSettings(BaseSettings):
         "metrics,admin",
         description="Scopes (comma-separated) any one of which lets a key read /metrics.",
     )
+    lora_roots: str = Field(
+        "",
+        description="Folders LoRA adapters may be loaded from (comma-separated), judged with "
+        "symlinks resolved. Empty: <data_dir> (where `conveyor up --lora-demo` writes its "
+        "adapter) and /adapters (compose's mount of ADAPTERS_DIR).",
+    )
     heartbeat_ttl_s: float = Field(
         1.5,
         description="A worker not heard from for this long counts as dead (its jobs are "
@@ -188,6 +194,11 @@ class CommonSettings(BaseSettings):
         value = self.admin_key.get_secret_value() if self.admin_key is not None else ""
         return value or None
 
+    def lora_root_paths(self) -> tuple[Path, ...]:
+        """CONVEYOR_LORA_ROOTS as paths (default: the data dir and /adapters)."""
+        named = [part.strip() for part in self.lora_roots.split(",") if part.strip()]
+        return tuple(Path(part) for part in named) or (self.data_dir.resolve(), Path("/adapters"))
+
     def demo_model_path(self, kind: str = "llama") -> Path:
         return self.data_dir / ("demo-model" if kind == "llama" else f"demo-model-{kind}")
 
@@ -209,7 +220,11 @@ class ImageSettings(CommonSettings):
     image_max_pixels: int = Field(
         4096 * 4096, description="Largest image, in pixels (width x height)."
     )
-    image_fetch_timeout_s: float = Field(10.0, description="Timeout of one image download.")
+    image_fetch_timeout_s: float = Field(
+        10.0,
+        description="Deadline of one image fetch, in all: redirects, name lookups and every "
+        "byte (a server sending a byte at a time cannot hold a fetch open longer).",
+    )
     max_images_per_request: int = Field(8, description="Images one chat request may carry.")
     image_max_request_bytes: int = Field(
         64 * 1024 * 1024,
@@ -248,6 +263,13 @@ class GatewaySettings(ImageSettings):
 
     host: str = Field("127.0.0.1", description="Gateway listen address.")
     port: int = Field(8000, description="Gateway listen port.")
+    allowed_hosts: str = Field(
+        "",
+        description="With auth off, Host names (comma-separated) answered besides loopback "
+        "ones (localhost, 127.0.0.0/8, ::1); `*`: any. Other names get a 403, so a web page "
+        "cannot reach a local gateway through DNS rebinding. With auth on any Host is "
+        "answered.",
+    )
     queue_max_depth: int = Field(
         1024, description="Jobs queued or running per (model, stage) before 429."
     )
@@ -263,6 +285,11 @@ class GatewaySettings(ImageSettings):
         16 * 1024 * 1024,
         description="Largest request body, checked while it is read (413 past it). Inline "
         "(data: URL) images count: raise it to send images over ~12 MiB inline.",
+    )
+    request_body_timeout_s: float = Field(
+        30.0,
+        description="How long a client may take to send a whole request body (408 past "
+        "it): a body trickled in byte by byte does not hold a connection open longer.",
     )
     max_messages: int = Field(2048, description="Messages one chat request may carry.")
     sse_keepalive_s: float = Field(15.0, description="Seconds between SSE keep-alive comments.")

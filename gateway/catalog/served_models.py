@@ -112,7 +112,7 @@ class ModelCatalog:
             known = ", ".join(m for m in sorted(every) if allowed is None or m in allowed)
             known = known or "none"
             raise ModelNotFound(
-                f"The model `{name}` does not exist. Models served here: {known}.",
+                f"The model `{shown_name(name)}` does not exist. Models served here: {known}.",
                 param="model",
             )
         return model
@@ -184,3 +184,8 @@ def _context_window(folder: Path) -> int:
     text_config = config.get("text_config", config)
     value = text_config.get("max_position_embeddings") or config.get("max_position_embeddings")
     return int(value) if value else DEFAULT_MAX_MODEL_LEN
+
+
+def shown_name(name: str, max_chars: int = 64) -> str:
+    """A client-sent name as echoed in an error: cut to ``max_chars``."""
+    return name if len(name) <= max_chars else f"{name[:max_chars]}..."

@@ -101,6 +101,9 @@ class KeyCache:
         self._loaded_unix: float | None = None
         self._error: str | None = None
         self._seen_generation: bytes | None = None
+        self.on_revoked: Callable[[set[str]], None] = lambda key_ids: None
+        """Called with the ids of keys gone since the last load (revoked): the gateway
+        ends their open requests."""
 
     # ------------------------------------------------------------ the hot path
 
@@ -154,7 +157,11 @@ class KeyCache:
         except DATABASE_ERRORS as exc:
             self._failed(exc)
             return False
+        known = {entry.principal.key_id for entry in self._by_hash.values()}
         self._by_hash = {record.secret_hash: _entry(record) for record in records}
+        gone = known - {entry.principal.key_id for entry in self._by_hash.values()}
+        if gone:
+            self.on_revoked({key_id for key_id in gone if key_id is not None})
         if self._error is not None:
             log.info("api keys: database reachable again (%d keys)", len(records))
         self._error = None

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import redis.asyncio as aioredis
 from redis.exceptions import LockError, RedisError
@@ -43,6 +43,7 @@ from shared.errors import (
     ModelNotFound,
     NoLiveWorker,
 )
+from shared.lora_paths import OUTSIDE_ROOTS, resolve_in_roots
 from shared.queue import names
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.queue.lora_registry import (
@@ -83,16 +84,19 @@ class LoraService:
         *,
         bases: Callable[[], Iterable[str]],
         load_timeout_s: float,
+        roots: Sequence[Path],
         redis_for: Callable[[str], aioredis.Redis] | None = None,
     ) -> None:
         """``redis`` holds the adapter locks; ``redis_for(base_model)`` the Redis of a base
-        model's workers, where its desired state is published (default ``redis``)."""
+        model's workers, where its desired state is published (default ``redis``); an
+        adapter's path must lie inside ``roots`` (CONVEYOR_LORA_ROOTS)."""
         self._sessions = sessions
         self._redis = redis
         self._redis_for: Callable[[str], aioredis.Redis] = redis_for or (lambda base: redis)
         self._bases = bases
         """The generation models served here: the base models adapters may name."""
         self._load_timeout_s = load_timeout_s
+        self._roots = tuple(roots)
 
     # ------------------------------------------------------------------ publishing
 
@@ -173,7 +177,7 @@ class LoraService:
                 await self.publish(spec.base_model)
             except RedisError as exc:
                 await self._insert(spec)
-                raise BackendUnavailable(f"could not publish the removal: {exc}") from exc
+                raise _unreachable("could not publish the removal", exc) from exc
         log.info("adapter %s removed", name)
         return spec
 
@@ -207,12 +211,14 @@ class LoraService:
                 "PEFT adapter folder the workers can read",
                 param="path",
             )
+        if resolve_in_roots(spec.path, self._roots) is None:
+            raise InvalidRequest(OUTSIDE_ROOTS, param="path")
         bases = set(self._bases())
         if spec.name in bases:
             raise InvalidRequest(f"`{spec.name}` is a served model's name", param="name")
         if spec.base_model not in bases:
             raise ModelNotFound(
-                f"base_model `{spec.base_model}` is not a text generation model served here "
+                f"base_model `{spec.base_model[:64]}` is not a text generation model served here "
                 f"({', '.join(sorted(bases)) or 'none'})",
                 param="base_model",
             )
@@ -227,7 +233,7 @@ class LoraService:
         try:
             acquired = await lock.acquire()
         except RedisError as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+            raise _unreachable("Redis is unreachable", exc) from exc
         if not acquired:
             raise LoraConflict(f"adapter `{name}` is being changed; retry", param="name")
         try:
@@ -240,7 +246,7 @@ class LoraService:
         try:
             workers = await self._live_workers(base_model)
         except RedisError as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+            raise _unreachable("Redis is unreachable", exc) from exc
         return [w for w in workers if w.model == base_model and w.role is SERVING_ROLE]
 
     async def _insert(self, spec: LoraSpec) -> None:
@@ -260,7 +266,7 @@ class LoraService:
         except RedisError as exc:
             if new:
                 await self._roll_back(spec)
-            raise BackendUnavailable(f"could not publish the adapter: {exc}") from exc
+            raise _unreachable("could not publish the adapter", exc) from exc
         if state.loaded:
             return state
         if new:
@@ -300,3 +306,9 @@ def _states(workers: Iterable[WorkerRegistration], name: str, base_model: str) -
         for w in sorted(workers, key=lambda w: w.worker_id)
         if w.model == base_model and w.role is SERVING_ROLE
     }
+
+
+def _unreachable(what: str, exc: RedisError) -> BackendUnavailable:
+    """The 503 says what failed; Redis's own message (its address) goes to the log only."""
+    log.warning("%s: %s", what, exc)
+    return BackendUnavailable(f"{what}; retry")

@@ -69,6 +69,7 @@ class ControlPlane:
             redis,
             bases=bases,
             load_timeout_s=settings.lora_load_timeout_s,
+            roots=settings.lora_root_paths(),
             redis_for=redis_for,
         )
         self.schema: SchemaStatus | None = None

@@ -23,7 +23,10 @@ def parse_duration(text: str, *, param: str) -> timedelta:
         raise InvalidRequest(
             f"{param}: {text!r} is not a duration such as 90s, 15m, 12h, 30d or 2w", param=param
         )
-    return timedelta(seconds=float(match.group(1)) * _UNITS_S[match.group(2)])
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS_S[match.group(2)])
+    except OverflowError:
+        raise _out_of_range(text, param) from None
 
 
 def parse_instant(text: str, *, param: str, now: datetime, ago: bool = True) -> datetime:
@@ -32,7 +35,10 @@ def parse_instant(text: str, *, param: str, now: datetime, ago: bool = True) -> 
     value = text.strip()
     if _DURATION.fullmatch(value.lower()):
         delta = parse_duration(value, param=param)
-        return now - delta if ago else now + delta
+        try:
+            return now - delta if ago else now + delta
+        except OverflowError:
+            raise _out_of_range(text, param) from None
     try:
         seconds = float(value)
     except ValueError:
@@ -40,7 +46,10 @@ def parse_instant(text: str, *, param: str, now: datetime, ago: bool = True) -> 
     else:
         if not math.isfinite(seconds) or seconds < 0:
             raise InvalidRequest(f"{param}: {text!r} is not a time", param=param)
-        return datetime.fromtimestamp(seconds, UTC)
+        try:
+            return datetime.fromtimestamp(seconds, UTC)
+        except (OverflowError, OSError, ValueError):
+            raise _out_of_range(text, param) from None
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
@@ -50,3 +59,7 @@ def parse_instant(text: str, *, param: str, now: datetime, ago: bool = True) -> 
             param=param,
         ) from None
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def _out_of_range(text: str, param: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {text[:64]!r} is out of range", param=param)

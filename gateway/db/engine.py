@@ -8,6 +8,7 @@ fast instead of hanging a caller for a minute (asyncpg's default connect timeout
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ _ASYNC_DRIVERS = {
     "postgresql": "postgresql+asyncpg",
     "postgres": "postgresql+asyncpg",
 }
+
+log = logging.getLogger(__name__)
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -82,8 +85,9 @@ async def transaction(sessions: async_sessionmaker[AsyncSession]) -> AsyncIterat
     except (IntegrityError, DataError):
         raise
     except (DBAPIError, OSError, TimeoutError) as exc:
+        log.warning("the database could not be reached: %s", first_line(exc))
         raise DatabaseUnavailable(
-            f"the database could not be reached: {first_line(exc)}", retry_after_s=5
+            "the database could not be reached; retry later", retry_after_s=5
         ) from exc
 
 

@@ -17,9 +17,9 @@ objects and tasks as a gateway that knew nothing of cells.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
@@ -29,12 +29,15 @@ from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.worker_directory import WorkerDirectory
 from shared.connections.model_redis import ModelRedis
-from shared.connections.url import is_sentinel_url, parse_sentinel_url
+from shared.connections.url import shown_url
+from shared.errors import InvalidApiKey
 from shared.queue import names
 from shared.queue.liveness import WorkerRegistry, keep_gateway_alive
 from shared.queue.media_store import ImageStore
 from shared.queue.usage import UsageRecord
 from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,13 @@ class RedisCells:
     def open_requests(self) -> int:
         return sum(cell.router.open_requests() for cell in self.all())
 
+    def end_requests_of(self, key_ids: set[str]) -> None:
+        """A revoked key's open requests end now, in every cell, with a 401."""
+        error = InvalidApiKey("The API key of this request was revoked.")
+        ended = sum(cell.dispatcher.end_requests_of(key_ids, error) for cell in self.all())
+        if ended:
+            log.info("ended %d open request(s) of revoked key(s) %s", ended, sorted(key_ids))
+
     async def wait_background(self) -> None:
         for cell in self.all():
             await cell.dispatcher.wait_background()
@@ -153,13 +163,3 @@ def _cell(
         images=images,
         adapters=LoraWatch(redis, catalog, owns=owns),
     )
-
-
-def shown_url(url: str) -> str:
-    """``url`` without credentials (safe to log and to show in /ready)."""
-    if is_sentinel_url(url):
-        return str(parse_sentinel_url(url))
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from shared.connections.connect import db_of
 from shared.connections.retry import Backoff, retry
 from shared.errors import (
     BackendUnavailable,
+    ConveyorError,
     IdempotencyConflict,
     NoLiveWorker,
     Overloaded,
@@ -93,6 +94,8 @@ class Dispatcher:
         self._directory = directory
         self._policy = policy
         self._background: set[asyncio.Task[None]] = set()
+        self._open_by_key: dict[str, set[str]] = {}
+        """Each API key's open requests (to end them when the key is revoked)."""
         self.accounting = RequestAccounting(
             redis, names.gateway_of_reply_stream(router.stream), on_usage
         )
@@ -243,7 +246,8 @@ class Dispatcher:
             result = await self._admit(stream, jobs, plan, self.accounting.opened_by(plan))
         except RedisError as exc:
             self._router.close(request_id)
-            raise BackendUnavailable(f"the job queue is unreachable: {exc}") from exc
+            log.warning("the job queue is unreachable: %s", exc)
+            raise BackendUnavailable("the job queue is unreachable; retry") from exc
         headers = result.usage.headers() if result.usage is not None else {}
         if result.outcome is not Admission.QUEUED:
             self._router.close(request_id)
@@ -256,6 +260,8 @@ class Dispatcher:
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
         self.accounting.opened(plan)
+        if plan.key_id is not None:
+            self._open_by_key.setdefault(plan.key_id, set()).add(request_id)
         handle = RequestHandle(
             request_id,
             len(jobs),
@@ -281,9 +287,21 @@ class Dispatcher:
         self.release_images(plan)
         if _stores_schema(plan):
             self._in_background(self._forget_schema(plan.request_id))
+        if plan.key_id is not None:
+            open_of_key = self._open_by_key.get(plan.key_id, set())
+            open_of_key.discard(plan.request_id)
+            if not open_of_key:
+                self._open_by_key.pop(plan.key_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
         self._in_background(self.accounting.settle(plan, record, used))
+
+    def end_requests_of(self, key_ids: Iterable[str], error: ConveyorError) -> int:
+        """End the open requests of these API keys with ``error`` (a stream gets it as its
+        last event); each one's handle then closes and cancels what still runs."""
+        ended = [rid for key_id in key_ids for rid in self._open_by_key.get(key_id, ())]
+        self._router.interrupt(ended, error.message, error)
+        return len(ended)
 
     def close(self, request_id: str, *, cancel: bool) -> None:
         self._router.close(request_id)

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from shared.connections.connect import MAX_BLOCK_MS, as_text
 from shared.connections.retry import Backoff
-from shared.errors import ProtocolError
+from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
     EmbeddingEvent,
     ErrorEvent,
@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 
 class StreamInterrupted(Exception):
-    """Events for a request stopped for a reason other than the request ending."""
+    """Events for a request stopped for a reason other than the request ending;
+    ``error``: what the request ends with (default: a 503 with ``reason``)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, error: ConveyorError | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.error = error
 
 
 class ReplyRouter:
@@ -108,13 +110,15 @@ class ReplyRouter:
     def interrupt_all(self, reason: str) -> None:
         self.interrupt(list(self._routes), reason)
 
-    def interrupt(self, request_ids: Iterable[str], reason: str) -> None:
-        """End these requests (those still open) with ``reason``."""
+    def interrupt(
+        self, request_ids: Iterable[str], reason: str, error: ConveyorError | None = None
+    ) -> None:
+        """End these requests (those still open) with ``reason`` (raised as ``error``)."""
         for request_id in request_ids:
             queue = self._routes.pop(request_id, None)
             if queue is not None:
                 queue._queue.clear()  # type: ignore[attr-defined]
-                queue.put_nowait(StreamInterrupted(reason))
+                queue.put_nowait(StreamInterrupted(reason, error))
 
     async def _read_forever(self) -> None:
         last_trim = time.monotonic()

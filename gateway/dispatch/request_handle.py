@@ -84,7 +84,7 @@ class RequestHandle:
                 yield None
                 continue
             if isinstance(item, StreamInterrupted):
-                raise BackendUnavailable(item.reason)
+                raise item.error or BackendUnavailable(item.reason)
             if not self._in_order(item):
                 continue
             if isinstance(item, FINAL_EVENTS):

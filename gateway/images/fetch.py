@@ -6,7 +6,10 @@ allowed its network (``CONVEYOR_IMAGE_PRIVATE_NETWORKS``). Redirects are
 followed by hand so each target is checked again. The connection goes to the
 address that was checked (the Host header and TLS name stay the original host),
 so a DNS answer that changes between check and connect cannot slip through.
-Concurrent fetches of the same URL share one download.
+A whole fetch (every redirect, name lookup and byte) must end within ``timeout_s``,
+so a server dripping a byte at a time cannot hold it open. Bodies are read as sent
+(``Accept-Encoding: identity``): a gzip or brotli response is refused, never inflated
+past the size cap. Concurrent fetches of the same URL share one download.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote_to_bytes, urljoin, urlsplit
+from urllib.parse import SplitResult, unquote_to_bytes, urljoin, urlsplit
 
 import httpx
 
@@ -86,7 +89,7 @@ class ImageFetcher:
 
     async def fetch(self, url: str) -> bytes:
         """The bytes at ``url``; raises ImageFetchError with the reason."""
-        scheme = urlsplit(url).scheme.lower()
+        scheme = split_url(url).scheme.lower()
         self._check_scheme(scheme)
         if scheme == "data":
             return self._decode_data_url(url)
@@ -101,7 +104,7 @@ class ImageFetcher:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._inflight[url] = future
         try:
-            data = await self._download(url)
+            data = await self._download_in_time(url)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -138,16 +141,22 @@ class ImageFetcher:
 
     # ----------------------------------------------------------------- http(s) URLs
 
+    async def _download_in_time(self, url: str) -> bytes:
+        try:
+            async with asyncio.timeout(self._policy.timeout_s):
+                return await self._download(url)
+        except TimeoutError as exc:
+            raise ImageFetchError(
+                f"fetching {url!r} took longer than {self._policy.timeout_s:g}s"
+            ) from exc
+
     async def _download(self, url: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
-            parts = urlsplit(url)
+            parts = split_url(url)
             self._check_scheme(parts.scheme.lower())
             if parts.scheme.lower() == "data":
                 raise ImageFetchError("a redirect to a data: URL is not followed")
-            host = parts.hostname
-            if not host:
-                raise ImageFetchError(f"URL has no host: {url!r}")
-            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+            host, port = host_and_port(parts, url)
             address = await self._checked_address(host, port)
             location, body = await self._get(url, host, address)
             if location is None:
@@ -163,8 +172,9 @@ class ImageFetcher:
                 addresses = await asyncio.wait_for(
                     self._resolve(host, port), self._policy.timeout_s
                 )
-            except (OSError, TimeoutError) as exc:
-                raise ImageFetchError(f"cannot resolve host {host!r}: {exc or 'timeout'}") from exc
+            except (OSError, TimeoutError, ValueError) as exc:  # UnicodeError: a bad IDNA name
+                reason = exc or "timeout"
+                raise ImageFetchError(f"cannot resolve host {host[:256]!r}: {reason}") from exc
         if not addresses:
             raise ImageFetchError(f"host {host!r} has no address")
         for address in addresses:
@@ -177,10 +187,15 @@ class ImageFetcher:
         return addresses[0]
 
     def _allowed(self, address: IPAddress) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        """An IPv6 address that carries an IPv4 one (mapped, compatible, NAT64, 6to4,
+        Teredo) is judged by every IPv4 address it carries: each reaches that host
+        (unless the operator allowed the IPv6 network itself)."""
         if any(address in network for network in self._policy.private_networks):
             return True
+        if isinstance(address, ipaddress.IPv6Address):
+            carried = embedded_ipv4(address)
+            if carried:
+                return all(self._allowed(inner) for inner in carried)
         return address.is_global and not address.is_multicast
 
     async def _get(self, url: str, host: str, address: IPAddress) -> tuple[str | None, bytes]:
@@ -189,7 +204,11 @@ class ImageFetcher:
         literal = f"[{address}]" if address.version == 6 else str(address)
         netloc = literal if parts.port is None else f"{literal}:{parts.port}"
         pinned = parts._replace(netloc=netloc).geturl()
-        headers = {"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*"}
+        headers = {
+            "Host": parts.netloc.rpartition("@")[2],
+            "Accept": "image/*",
+            "Accept-Encoding": "identity",
+        }
         try:
             async with self._client.stream(
                 "GET", pinned, headers=headers, extensions={"sni_hostname": host}
@@ -201,12 +220,18 @@ class ImageFetcher:
                     return location, b""
                 if response.status_code != 200:
                     raise ImageFetchError(f"fetching {url!r} returned HTTP {response.status_code}")
+                encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise ImageFetchError(
+                        f"{url!r} answered with Content-Encoding {encoding[:32]!r}; images "
+                        "are fetched uncompressed (Accept-Encoding: identity)"
+                    )
                 declared = response.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self._policy.max_bytes:
                     raise ImageFetchError(self._too_big(int(declared)))
                 chunks: list[bytes] = []
                 size = 0
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_raw():
                     size += len(chunk)
                     if size > self._policy.max_bytes:
                         raise ImageFetchError(self._too_big(size, at_least=True))
@@ -229,6 +254,45 @@ class ImageFetcher:
     def _too_big(self, size: int, *, at_least: bool = False) -> str:
         more = "more than " if at_least else ""
         return f"image is {more}{size} bytes; the limit is {self._policy.max_bytes}"
+
+
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address leads to: IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``), NAT64 (``64:ff9b::/96``), 6to4 (``2002::/16``) and
+    Teredo (``2001::/32``: server and client). Empty for a plain IPv6 address."""
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]
+    if address in NAT64 or address in IPV4_COMPATIBLE:
+        return [ipaddress.IPv4Address(address.packed[12:])]
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    if address.teredo is not None:
+        return list(address.teredo)
+    return []
+
+
+def split_url(url: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # e.g. "http://[::1" (an unclosed IPv6 literal)
+        raise ImageFetchError(f"malformed image URL {url[:256]!r}: {exc}") from exc
+
+
+def host_and_port(parts: SplitResult, url: str) -> tuple[str, int]:
+    """The host (IDNA-checked) and port of an http(s) URL; ImageFetchError if malformed."""
+    try:
+        host, port = parts.hostname, parts.port
+        if host:
+            host.encode("idna")  # a label over 63 characters, an empty label, ...
+    except ValueError as exc:  # UnicodeError is one
+        raise ImageFetchError(f"malformed image URL {url[:256]!r}: {exc}") from exc
+    if not host:
+        raise ImageFetchError(f"URL has no host: {url[:256]!r}")
+    return host, port or (443 if parts.scheme.lower() == "https" else 80)
 
 
 def allowed_schemes(text: str | Sequence[str]) -> frozenset[str]:

@@ -73,21 +73,22 @@ async def embeddings(
 async def list_models(state: StateDep, principal: Inference) -> dict[str, Any]:
     every = [*state.catalog.all(), *state.catalog.adapters()]
     models = [m for m in every if principal.may_use(m.name)]
-    return {"object": "list", "data": [_model_card(m) for m in models]}
+    return {"object": "list", "data": [_model_card(m, principal) for m in models]}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, state: StateDep, principal: Inference) -> dict[str, Any]:
-    return _model_card(state.catalog.get(model_id, principal.models))
+    return _model_card(state.catalog.get(model_id, principal.models), principal)
 
 
-def _model_card(model: ServedModel) -> dict[str, Any]:
-    """vLLM's card: a LoRA adapter's ``parent`` is its base model. ``root`` is the served
-    name (vLLM shows the model's folder or hub id there; server paths are not shown)."""
+def _model_card(model: ServedModel, principal: Principal) -> dict[str, Any]:
+    """vLLM's card: a LoRA adapter's ``parent`` is its base model. ``root`` is the model's
+    folder or hub id for an admin key (as vLLM shows it) and the served name for other
+    keys (server paths are not shown to them)."""
     card = ModelCard(
         id=model.name,
         created=model.created_unix,
-        root=model.name,
+        root=model.path if principal.has_scope(Scope.ADMIN) else model.name,
         parent=model.parent,
         max_model_len=model.max_model_len,
         kind=model.kind.value,

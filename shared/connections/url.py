@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -241,3 +241,13 @@ def async_sentinel(
     kwargs["retry"] = redis.asyncio.retry.Retry(NoBackoff(), 0)
     sentinels = list(parsed.sentinels)
     return aiosentinel.Sentinel(sentinels, sentinel_kwargs=kwargs)  # type: ignore[no-untyped-call]
+
+
+def shown_url(url: str) -> str:
+    """``url`` without credentials (safe to log and to show in /ready)."""
+    if is_sentinel_url(url):
+        return str(parse_sentinel_url(url))
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"

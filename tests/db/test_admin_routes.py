@@ -52,7 +52,9 @@ async def plane_factory(sql_target: SqlTarget, database: Database) -> AsyncItera
     planes: list[ControlPlane] = []
 
     async def make(**settings_fields: Any) -> tuple[httpx.AsyncClient, ControlPlane]:
-        settings = Settings(database_url=sql_target.url, **settings_fields)
+        settings = Settings(
+            database_url=sql_target.url, **{"allowed_hosts": "gw", **settings_fields}
+        )
         plane = ControlPlane(settings, FakeRedis(), "gw-test")
         await plane.start()
         planes.append(plane)
@@ -251,6 +253,8 @@ async def test_usage_rows_and_totals(plane_factory: Any, database: Database) -> 
             ("since=yesterday", "since"),
             ("limit=0", "limit"),
             ("until=-5", "until"),
+            ("since=99999999999d", "since"),
+            ("until=99999999999999", "until"),
         ):
             assert error_of(await client.get(f"/admin/usage?{query}"), 400)["param"] == param
 
@@ -265,6 +269,23 @@ async def test_ready_reports_the_control_plane(plane_factory: Any) -> None:
         assert control["auth"] == "off" and "url" not in control["database"]
         state = (await client.get("/admin/state")).json()
         assert state["control"]["database"]["url"] and state["gateway_id"] == "gw-test"
+
+
+async def test_ready_details_are_for_an_admin_key_only(plane_factory: Any) -> None:
+    client, plane = await plane_factory(admin_key=ADMIN_KEY)
+    async with client:
+        anyone = await client.get("/ready")
+        assert anyone.status_code == 200
+        assert anyone.json() == {"ready": True, "problems": []}
+        admin = (await client.get("/ready", headers=bearer(ADMIN_KEY))).json()
+        assert admin["control"]["auth"] == "on" and "dialect" in admin["control"]["database"]
+        plane.schema_error = "OperationalError: connection to db.internal.corp refused"
+        plane.schema = None
+        anyone = await client.get("/ready")
+        assert anyone.status_code == 503
+        assert anyone.json() == {"ready": False, "problems": ["control plane not ready"]}
+        admin = (await client.get("/ready", headers=bearer(ADMIN_KEY))).json()
+        assert any("db.internal.corp" in problem for problem in admin["problems"])
 
 
 async def test_an_external_database_behind_head_is_not_ready_and_not_migrated(

@@ -3,6 +3,8 @@ plane on SQLite and PostgreSQL. Nothing is queued for a refused request."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +15,9 @@ from gateway.control.key_service import KeySpec
 from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db.engine import Database
+from tests.gateway.asgi_call import SlowBodyCall
 from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
+from tests.gateway.test_disconnects import endless
 from tests.support.sql import SqlTarget
 
 ADMIN_KEY = "admin-key-for-inference-tests-0123456789"
@@ -26,7 +30,7 @@ async def gateway(
     async with live_gateway(served_model, database_url=sql_target.url, admin_key=ADMIN_KEY) as live:
         plane = ControlPlane(live.state.settings, live.redis, "gw-test")
         await plane.start()
-        live.state.control = plane
+        live.state.attach(plane)
         try:
             yield live
         finally:
@@ -58,6 +62,23 @@ async def test_v1_needs_a_key(gateway: LiveGateway) -> None:
     assert await queued(gateway) == 0
 
 
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer cvy-not-a-key"}])
+async def test_a_keyless_request_is_refused_before_its_body_is_read(
+    gateway: LiveGateway, headers: dict[str, str]
+) -> None:
+    async with SlowBodyCall(gateway.app, CHAT, BODIES[CHAT], headers) as call:
+        assert await call.start() == 401
+        body = json.loads(await call.read_all())
+    assert body["error"]["code"] == "invalid_api_key"
+    assert call.receive_calls == 0
+
+
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/no/such/path"])
+async def test_only_health_and_ready_answer_without_a_key(gateway: LiveGateway, path: str) -> None:
+    assert error_of(await gateway.client.get(path), 401)["code"] == "invalid_api_key"
+    assert (await gateway.client.get("/health")).status_code == 200
+
+
 async def test_inference_key_answers_and_admin_key_too(gateway: LiveGateway) -> None:
     secret = await new_key(gateway, {Scope.INFERENCE})
     for key in (secret, ADMIN_KEY):
@@ -65,6 +86,18 @@ async def test_inference_key_answers_and_admin_key_too(gateway: LiveGateway) -> 
             COMPLETIONS, json=BODIES[COMPLETIONS], headers=bearer(key)
         )
         assert response.status_code == 200, response.text
+
+
+async def test_a_model_card_shows_the_server_path_to_an_admin_key_only(
+    gateway: LiveGateway,
+) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    card = (await gateway.client.get("/v1/models/tiny", headers=bearer(secret))).json()
+    assert card["root"] == "tiny"
+    listed = (await gateway.client.get("/v1/models", headers=bearer(secret))).json()["data"]
+    assert {c["root"] for c in listed} == {c["id"] for c in listed}
+    card = (await gateway.client.get("/v1/models/tiny", headers=bearer(ADMIN_KEY))).json()
+    assert card["root"] == gateway.state.catalog.get("tiny").path
 
 
 async def test_inference_key_may_not_call_admin(gateway: LiveGateway) -> None:
@@ -122,3 +155,29 @@ async def test_vllm_routes_need_an_inference_key(gateway: LiveGateway) -> None:
         assert answered.status_code == 200, (path, answered.text)
     for path in ("/ping", "/version"):  # public, as /health (and vLLM's /version)
         assert (await gateway.client.get(path)).status_code == 200
+
+
+async def test_revoking_a_key_ends_its_open_streams(gateway: LiveGateway) -> None:
+    secret = await new_key(gateway, {Scope.INFERENCE})
+    other = await new_key(gateway, {Scope.INFERENCE})
+    gateway.workers[0].script = endless
+    assert gateway.state.control is not None
+    body = {**BODIES[CHAT], "max_tokens": 30, "stream": True}
+    async with (
+        gateway.call(CHAT, body, **bearer(secret)) as revoked,
+        gateway.call(CHAT, body, **bearer(other)) as kept,
+    ):
+        assert await revoked.start() == 200 and await kept.start() == 200
+        await revoked.read_until("t2 ")
+        await kept.read_until("t2 ")
+        key_id = gateway.state.control.keys.resolve(secret).key_id  # type: ignore[union-attr]
+        assert key_id is not None
+        await gateway.state.control.key_service.revoke(key_id)
+        await gateway.state.control.keys.reload()
+        text = await asyncio.wait_for(revoked.read_all(), 5)
+        last = [line for line in text.splitlines() if line.startswith("data: {")][-1]
+        assert json.loads(last[6:])["error"]["code"] == "invalid_api_key"
+        assert "revoked" in json.loads(last[6:])["error"]["message"]
+        await revoked.finished()
+        assert gateway.state.cells.open_requests() == 1  # the other key's stream runs on
+        await kept.read_until("t5 ")

@@ -70,10 +70,15 @@ def fake_worker() -> Iterator[None]:
 
 
 def test_add_ls_rm(
-    sql_target: SqlTarget, fake_worker: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    sql_target: SqlTarget,
+    fake_worker: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     where = ("--database-url", sql_target.url, "--redis-url", REAL_REDIS_URL)
     assert run(capsys, "db", "upgrade", *where)[0] == 0
+    monkeypatch.setenv("CONVEYOR_LORA_ROOTS", str(tmp_path))
     folder = tmp_path / "a1"
     folder.mkdir()
     code, out, err = run(capsys, "lora", "add", "a1", str(folder), "--base-model", "tiny", *where)

@@ -29,19 +29,20 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 @pytest.fixture
 async def gateway(
-    served_model: ServedModel, sql_target: SqlTarget, database: Database
+    served_model: ServedModel, sql_target: SqlTarget, database: Database, tmp_path: Path
 ) -> AsyncIterator[LiveGateway]:
     async with live_gateway(
         served_model,
         workers=[(Role.EMBED, EMBED_MODEL)],
         database_url=sql_target.url,
+        lora_roots=str(tmp_path),
         admin_key=ADMIN_KEY,
         lora_load_timeout_s=1.0,
         worker_command_timeout_s=0.5,
     ) as live:
         plane = ControlPlane(live.state.settings, live.redis, "gw-test", bases=live_bases(live))
         await plane.start()
-        live.state.control = plane
+        live.state.attach(plane)
         try:
             yield live
         finally:
@@ -306,3 +307,19 @@ async def test_worker_admin_commands_map_to_statuses(
     assert unknown["param"] == "command"
     nobody = await gateway.client.post("/admin/workers/nobody/drain", headers=ADMIN)
     assert error_of(nobody, 404)["code"] == "worker_not_found"
+
+
+async def test_a_path_outside_the_lora_roots_is_refused_without_saying_if_it_exists(
+    gateway: LiveGateway, worker: FakeLoraWorker, adapter_dir: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (tmp_path / "link").symlink_to(outside)
+    messages = set()
+    for path in ("/etc", "/no/such/folder", str(outside), str(tmp_path / "link")):
+        error = error_of(await add(gateway, "x1", path), 400)
+        assert error["param"] == "path" and "CONVEYOR_LORA_ROOTS" in error["message"]
+        messages.add(error["message"])
+    assert len(messages) == 1  # nothing tells which of them exist
+    await assert_nothing_registered(gateway)
+    assert (await add(gateway, "a1", adapter_dir)).status_code == 200

@@ -106,6 +106,7 @@ async def test_an_adapter_of_a_model_on_its_own_redis_is_published_and_served_th
         database_url=sql_target.url,
         admin_key=ADMIN_KEY,
         lora_load_timeout_s=2.0,
+        lora_roots=str(tmp_path),
     ) as live:
         cells = live.state.cells
         plane = ControlPlane(
@@ -117,7 +118,7 @@ async def test_an_adapter_of_a_model_on_its_own_redis_is_published_and_served_th
             redis_for=models.for_model,
         )
         await plane.start()
-        live.state.control = plane
+        live.state.attach(plane)
         shard = cells.for_model("tiny").redis
         worker = FakeLoraWorker(shard, "tiny")  # the model's worker: only its own Redis
         await worker.start()

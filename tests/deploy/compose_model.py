@@ -1,7 +1,9 @@
 """compose.yaml as data: its services, and the environment compose would give each one.
 
 Interpolation follows compose's rules for the forms the file uses: ``${VAR}``,
-``${VAR:-default}`` (default when unset or empty) and ``${VAR-default}`` (when unset).
+``${VAR:-default}`` (default when unset or empty), ``${VAR-default}`` (when unset) and
+``${VAR:?message}`` (required: compose stops with the message when unset or empty; here
+it reads as empty), nested inner first.
 An ``environment`` key with no value is passed on only when the variable is set.
 """
 
@@ -18,7 +20,7 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 CONVEYOR_IMAGE = "${IMAGE_REPOSITORY:-conveyor}"
 
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}$]*))?\}")
 
 
 def load() -> dict[str, Any]:
@@ -41,7 +43,12 @@ def conveyor_services() -> dict[str, dict[str, Any]]:
 
 
 def referenced_variables(text: str) -> set[str]:
-    return {match.group(1) for match in _REFERENCE.finditer(text)}
+    return set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
+
+
+def required_variables(text: str) -> set[str]:
+    """The variables compose refuses to start without (``${VAR:?message}``)."""
+    return set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*):\?", text))
 
 
 def interpolate(value: str, variables: dict[str, str]) -> str:
@@ -54,7 +61,11 @@ def interpolate(value: str, variables: dict[str, str]) -> str:
             return default
         return current or ""
 
-    return _REFERENCE.sub(replace, value)
+    while True:  # innermost references first: a default may hold one
+        replaced = _REFERENCE.sub(replace, value)
+        if replaced == value:
+            return replaced
+        value = replaced
 
 
 def service_environment(spec: dict[str, Any], variables: dict[str, str]) -> dict[str, str]:

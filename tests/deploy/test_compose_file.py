@@ -7,6 +7,7 @@ and a CPU service, and nothing stops `--scale worker=N`.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -29,8 +30,11 @@ from tests.deploy.compose_model import (
     ROOT,
     command_of,
     conveyor_services,
+    interpolate,
     load,
     referenced_variables,
+    required_variables,
+    service_environment,
     services,
 )
 
@@ -228,28 +232,70 @@ def test_the_redis_2_override_moves_only_the_embedding_workers() -> None:
     override = yaml.safe_load(REDIS_2_OVERRIDE.read_text())["services"]
     assert set(override) == {"embed", "embed-cpu", "gateway"}
     for name in ("embed", "embed-cpu"):
-        assert override[name]["environment"] == {"CONVEYOR_REDIS_URL": "redis://redis-2:6379/0"}
+        url = override[name]["environment"]["CONVEYOR_REDIS_URL"]
+        assert interpolate(url, {"REDIS_PASSWORD": "pw"}) == "redis://:pw@redis-2:6379/0"
         assert _role(services()[name]) is Role.EMBED
     for spec in override.values():
         assert spec["depends_on"] == {"redis-2": {"condition": "service_healthy"}}
     assert services()["redis-2"]["profiles"] == ["redis-2"]
-    assert "CONVEYOR_MODEL_REDIS_URLS=all-MiniLM-L6-v2=redis://redis-2:6379/0" in (
+    assert "CONVEYOR_MODEL_REDIS_URLS=all-MiniLM-L6-v2=redis://:PASSWORD@redis-2:6379/0" in (
         REDIS_2_OVERRIDE.read_text()
     )
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+REQUIRED = {
+    "CONVEYOR_ADMIN_KEY": "admin-key-for-the-compose-test-0123",
+    "REDIS_PASSWORD": "redis-password-0123",
+    "POSTGRES_PASSWORD": "postgres-password-0123",
+}
+"""What an operator must set in .env: no stack ships open or with a default password."""
+
+
+def test_nothing_ships_open_or_with_a_default_password() -> None:
+    text = COMPOSE_FILE.read_text()
+    assert required_variables(text) == set(REQUIRED)
+    assert required_variables(REDIS_2_OVERRIDE.read_text()) == {"REDIS_PASSWORD"}
+    gateway = service_environment(services()["gateway"], REQUIRED)
+    assert gateway["CONVEYOR_ADMIN_KEY"] == REQUIRED["CONVEYOR_ADMIN_KEY"]
+    assert gateway["CONVEYOR_ALLOW_UNAUTHENTICATED_PUBLIC"] == "false"
+    assert gateway["CONVEYOR_REDIS_URL"] == "redis://:redis-password-0123@redis:6379/0"
+    assert ":postgres-password-0123@" in gateway["CONVEYOR_DATABASE_URL"]
+    for name in ("redis", "redis-2"):
+        command = services()[name]["command"]
+        password = command[command.index("--requirepass") + 1]
+        assert interpolate(password, REQUIRED) == REQUIRED["REDIS_PASSWORD"]
+        assert services()[name]["environment"]["REDISCLI_AUTH"] == password  # healthcheck
+    postgres = service_environment(services()["postgres"], REQUIRED)
+    assert postgres["POSTGRES_PASSWORD"] == REQUIRED["POSTGRES_PASSWORD"]
+
+
+def _compose_config(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     binary = _compose_binary()
     if binary is None:
         reason = "no docker compose / docker-compose binary (scripts/install.sh installs one)"
         if in_ci():
             pytest.fail(f"CI=true: {reason}", pytrace=False)
         pytest.skip(reason)
-    result = subprocess.run(
+    inherited = {k: v for k, v in os.environ.items() if k not in REQUIRED}
+    return subprocess.run(
         [*binary, "-f", str(COMPOSE_FILE), "-f", str(REDIS_2_OVERRIDE), "config", "-q"],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**inherited, **env},
         check=False,
     )
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    result = _compose_config(REQUIRED)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("missing", sorted(REQUIRED))
+def test_docker_compose_stops_with_a_clear_error_without_a_required_variable(
+    missing: str,
+) -> None:
+    result = _compose_config({k: v for k, v in REQUIRED.items() if k != missing})
+    assert result.returncode != 0
+    assert f"set {missing} in .env" in result.stderr

@@ -151,9 +151,8 @@ def run_topology(
     port = free_port()
 
     def env_of(service: str) -> dict[str, str]:
-        return machine_env(
-            service, dot_env, data_dir=data_dir, database_url=database.url, port=port
-        )
+        env = machine_env(service, dot_env, data_dir=data_dir, database_url=database.url, port=port)
+        return {**env, "CONVEYOR_LORA_ROOTS": str(adapters_dir)}  # the /adapters mount
 
     processes: dict[str, Process] = {}
     try:

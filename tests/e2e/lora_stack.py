@@ -51,6 +51,7 @@ WORKER_ENV = {
     "CONVEYOR_MAX_LORA_RANK": "8",
     "CONVEYOR_WORKER_MAX_SLOTS": "48",
     "CONVEYOR_CANARY_IDLE_S": "3600",
+    "CONVEYOR_LORA_ROOTS": "/",  # the adapters live in pytest's temporary folders
 }
 
 

@@ -60,7 +60,7 @@ class Gateway:
     def restart(self) -> None:
         self.process.stop()
         self.process, self.url = self.lora.stack.start_gateway(
-            "gateway-restarted", CONVEYOR_DATA_DIR=str(self.data_dir)
+            "gateway-restarted", CONVEYOR_DATA_DIR=str(self.data_dir), CONVEYOR_LORA_ROOTS="/"
         )
         wait_until(f"{self.url}/ready", status=200, process=self.process, timeout_s=120)
 
@@ -82,7 +82,9 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(lora: LoraStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     data_dir = tmp_path_factory.mktemp("gateway-data")
-    process, url = lora.stack.start_gateway(CONVEYOR_DATA_DIR=str(data_dir))
+    process, url = lora.stack.start_gateway(
+        CONVEYOR_DATA_DIR=str(data_dir), CONVEYOR_LORA_ROOTS="/"
+    )
     wait_until(f"{url}/ready", status=200, process=process, timeout_s=120)
     live = Gateway(lora, data_dir, process, url)
     for name in ("a1", "a2"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from fastapi import FastAPI
 from starlette.types import Message
@@ -52,7 +52,7 @@ class AsgiCall:
         self.headers: dict[str, str] = {}
         self.received = b""
 
-    async def __aenter__(self) -> AsgiCall:
+    async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._app(self._scope, self._receive, self._send))
         return self
 
@@ -127,3 +127,17 @@ class AsgiCall:
         """Wait until the app has returned."""
         assert self._task is not None
         await asyncio.wait_for(asyncio.shield(self._task), CHUNK_WAIT_S)
+
+
+class SlowBodyCall(AsgiCall):
+    """A client that sends ten bytes of its body, then nothing more (it never leaves);
+    ``receive_calls`` counts how often the app asked for body."""
+
+    receive_calls = 0
+
+    async def _receive(self) -> Message:
+        self.receive_calls += 1
+        if self.receive_calls == 1:
+            return {"type": "http.request", "body": self._body[:10], "more_body": True}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")

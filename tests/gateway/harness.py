@@ -55,6 +55,7 @@ TEST_SETTINGS: dict[str, Any] = {
     "image_url_schemes": "data",  # no test fetches over the network
     "image_fetch_timeout_s": 1.0,
     "heartbeat_ttl_s": 3600.0,  # registrations last the whole test
+    "allowed_hosts": "gw,testserver",  # the test clients' Host names (auth is off)
 }
 
 

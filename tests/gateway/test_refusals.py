@@ -81,14 +81,15 @@ async def test_an_unreachable_queue_is_a_503_after_the_retry_window(
     served_model: ServedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def refused(*_: Any, **__: Any) -> Any:
-        raise RedisConnectionError("Connection refused")
+        raise RedisConnectionError("Error 111 connecting to redis-internal.corp:6379.")
 
     async with live_gateway(served_model, admission_retry_s=0.2) as gateway:
         monkeypatch.setattr(JobQueue, "submit", refused)
         response = await gateway.client.post(CHAT, json=BODIES[CHAT])
         error = error_of(response, 503)
         assert error["code"] == "backend_unavailable"
-        assert "Connection refused" in error["message"]
+        assert "unreachable" in error["message"]
+        assert "redis-internal.corp" not in response.text  # the address is logged only
         assert await gateway.open_requests() == 0
 
 
@@ -318,3 +319,10 @@ async def test_too_many_images_are_refused_before_any_is_fetched(
         assert error["param"] == "messages"
         assert "CONVEYOR_MAX_IMAGES_PER_REQUEST" in error["message"]
     assert fetched == []
+
+
+async def test_an_unknown_model_name_is_echoed_cut_short(gateway: LiveGateway) -> None:
+    response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "model": "m" * 10_000})
+    error = error_of(response, 404)
+    assert error["code"] == "model_not_found"
+    assert "m" * 64 + "..." in error["message"] and "m" * 65 not in error["message"]

@@ -16,6 +16,7 @@ from gateway.catalog.served_models import ServedModel
 from gateway.catalog.tokenizer import ModelTokenizer
 from gateway.openai.schemas import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from shared.protocol import GenerateJob, decode
+from tests.gateway.asgi_call import SlowBodyCall
 from tests.gateway.harness import (
     BODIES,
     CHAT,
@@ -25,6 +26,7 @@ from tests.gateway.harness import (
     InProcessGateway,
     build_gateway,
     error_of,
+    live_gateway,
     passed_every_check,
 )
 from tests.support.tiny_model import MAX_MODEL_LEN, SENTENCES
@@ -137,6 +139,15 @@ def test_chunked_body_over_the_limit_is_a_413(client: TestClient) -> None:
 
     response = client.post(CHAT, content=chunks(), headers={"content-type": "application/json"})
     assert error_of(response, status=413)["code"] == "request_too_large"
+
+
+async def test_a_body_that_trickles_in_is_a_408(served_model: ServedModel) -> None:
+    async with live_gateway(served_model, request_body_timeout_s=0.2) as live:
+        async with SlowBodyCall(live.app, CHAT, BODIES[CHAT], {}) as call:
+            assert await call.start() == 408
+            body = json.loads(await call.read_all())
+        assert body["error"]["code"] == "request_timeout"
+        assert "CONVEYOR_REQUEST_BODY_TIMEOUT_S" in body["error"]["message"]
 
 
 def test_body_under_the_limit_is_read_whole(client: TestClient) -> None:

@@ -4,14 +4,16 @@ HTTP server on loopback (allowed explicitly, as an operator would allow an image
 from __future__ import annotations
 
 import base64
+import gzip
 import http.server
 import ipaddress
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from gateway.images.fetch import FetchPolicy, ImageFetcher, IPAddress
+from gateway.images.fetch import FetchPolicy, ImageFetcher, IPAddress, embedded_ipv4
 from shared.errors import ImageFetchError
 
 PNG = base64.b64decode(
@@ -31,6 +33,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", self.path.removeprefix("/redirect?to="))
             self.end_headers()
+            return
+        if self.path == "/drip":  # a byte at a time, each well within a read timeout
+            self.send_response(200)
+            self.send_header("Content-Length", "12")
+            self.end_headers()
+            for _ in range(12):
+                self.wfile.write(b"0")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
+        if self.path == "/gzip":
+            body = gzip.compress(b"\x89PNG\r\n\x1a\n" + b"0" * 1_000_000)  # ~1 KiB sent
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         if self.path == "/big":
             body = b"\x89PNG\r\n\x1a\n" + b"0" * 5000
@@ -104,6 +123,13 @@ async def test_connects_to_the_checked_address_with_the_original_host_header(ser
         "http://127.0.0.1:9/x.png",
         "http://10.1.2.3/x.png",
         "http://169.254.169.254/latest/meta-data",
+        "http://[::127.0.0.1]/x.png",  # IPv4-compatible
+        "http://[::a9fe:a9fe]/latest/meta-data",
+        "http://[64:ff9b::7f00:1]/x.png",  # NAT64
+        "http://[64:ff9b::a9fe:a9fe]/latest/meta-data",
+        "http://[2002:7f00:1::]/x.png",  # 6to4
+        "http://[2002:a9fe:a9fe::1]/latest/meta-data",
+        "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/x.png",  # Teredo, client 127.0.0.1
         "http://[::1]/x.png",
         "http://[::ffff:10.0.0.1]/x.png",
         "http://0.0.0.0/x.png",
@@ -163,6 +189,10 @@ async def test_follows_a_redirect_to_an_allowed_place(server: str) -> None:
         ("data:text/plain;base64,aGVsbG8=", "must be image/"),
         ("data:image/png,rawbytes", "must be base64"),
         ("data:image/png;base64", "no comma"),
+        ("http://[::1/x.png", "malformed image URL"),
+        ("http://example.com:99999/x.png", "malformed image URL"),
+        ("http://" + "a" * 64 + ".example.com/x.png", "malformed image URL"),
+        ("http://a..example.com/x.png", "malformed image URL"),
     ],
 )
 async def test_refuses_bad_urls(url: str, reason: str) -> None:
@@ -234,3 +264,42 @@ async def test_a_waiter_survives_the_downloader_leaving(server: str) -> None:
         assert first.cancelled()
     finally:
         await fetcher.aclose()
+
+
+async def test_a_whole_fetch_has_one_deadline(server: str) -> None:
+    fetcher = ImageFetcher(_policy(timeout_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(ImageFetchError, match=r"took longer than 0\.5s"):
+        await fetcher.fetch(f"{server}/drip")
+    assert time.monotonic() - started < 1.0
+    await fetcher.aclose()
+
+
+async def test_a_compressed_response_is_refused_not_inflated(server: str) -> None:
+    fetcher = ImageFetcher(_policy())
+    with pytest.raises(ImageFetchError, match="Content-Encoding 'gzip'"):
+        await fetcher.fetch(f"{server}/gzip")
+    await fetcher.aclose()
+
+
+@pytest.mark.parametrize(
+    ("address", "carried"),
+    [
+        ("::ffff:10.0.0.1", ["10.0.0.1"]),
+        ("::10.0.0.1", ["10.0.0.1"]),
+        ("64:ff9b::8.8.8.8", ["8.8.8.8"]),
+        ("2002:0808:0808::", ["8.8.8.8"]),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", ["65.54.227.120", "127.0.0.1"]),
+        ("2001:4860:4860::8888", []),
+    ],
+)
+def test_ipv6_addresses_that_carry_ipv4_ones(address: str, carried: list[str]) -> None:
+    found = embedded_ipv4(ipaddress.IPv6Address(address))
+    assert [str(inner) for inner in found] == carried
+
+
+async def test_a_carried_public_ipv4_address_is_allowed() -> None:
+    fetcher = ImageFetcher(_policy(private_networks=()))
+    assert fetcher._allowed(ipaddress.ip_address("64:ff9b::808:808"))
+    assert not fetcher._allowed(ipaddress.ip_address("64:ff9b::a00:1"))
+    await fetcher.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import zlib
 
 import fakeredis.aioredis
 import pytest
@@ -16,7 +17,7 @@ from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.serving import translate
-from shared.errors import InvalidRequest
+from shared.errors import InvalidImage, InvalidRequest
 from shared.images import ImageLimits, check_image, content_hash, sniff_format
 from shared.protocol import ImageRef
 from shared.queue import names
@@ -174,3 +175,29 @@ async def test_stored_images_live_no_longer_than_the_setting_whatever_the_deadli
     request = _request(_image(_data_url(_image_bytes())))
     [ref] = await inputs.load(inputs.parts(request, vision_model), Deadline.after(3600))
     assert 0 < await redis.ttl(names.image(ref.digest)) <= 300
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` (no pixel data: Pillow reads the header)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data).to_bytes(4, "big")
+        return len(data).to_bytes(4, "big") + kind + data + crc
+
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("size", [(3300, 16), (16, 3300), (1_048_576, 16)])
+def test_an_extreme_aspect_ratio_is_refused(size: tuple[int, int]) -> None:
+    data = _image_bytes(size=size) if max(size) < 10_000 else _png_header(*size)
+    with pytest.raises(InvalidImage, match="200 times the other"):
+        check_image(data, ImageLimits(max_bytes=10**8, max_pixels=2**30))
+    assert check_image(_image_bytes(size=(400, 2)), ImageLimits(10**8, 2**30)) == (400, 2)
+
+
+def test_a_decompression_bomb_is_an_invalid_image() -> None:
+    """Past Pillow's own limit (2 x 89 M pixels) it will not open the image at all."""
+    with pytest.raises(InvalidImage, match="too many pixels") as caught:
+        check_image(_png_header(20_000, 20_000), ImageLimits(max_bytes=10**8, max_pixels=2**40))
+    assert caught.value.status == 400

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared.demo.lora import MARKER_FILE, RANK, write_demo_lora
+from shared.lora_paths import OUTSIDE_ROOTS
 from shared.peft_layout import TARGET_MODULES, LlamaShapes
 from workers.engines.base import LoraLoadError
 from workers.engines.lora.check import check_adapter
@@ -21,6 +22,9 @@ CONFIG = {
     "num_hidden_layers": 2,
     "head_dim": 64,
 }
+
+
+ANYWHERE = (Path("/"),)
 
 
 def model_folder(path: Path, **changes: int) -> Path:
@@ -50,7 +54,7 @@ def test_demo_adapter_is_peft_and_passes_the_check(adapter: Path, base: Path) ->
         RANK,
         list(TARGET_MODULES),
     )
-    files = check_adapter(str(adapter), max_rank=8, model=shapes())
+    files = check_adapter(str(adapter), roots=ANYWHERE, max_rank=8, model=shapes())
     assert files.rank == RANK and files.weights.name == "adapter_model.safetensors"
     # Written again: nothing changes; another seed: replaced.
     before = (adapter / "adapter_model.safetensors").read_bytes()
@@ -124,7 +128,7 @@ def test_bad_adapters_are_refused_with_a_reason(
         }[damage]
         config_file.write_text(json.dumps({**config, **changes}))
     with pytest.raises(LoraLoadError, match=reason):
-        check_adapter(path, max_rank=8, model=shapes())
+        check_adapter(path, roots=ANYWHERE, max_rank=8, model=shapes())
 
 
 @pytest.mark.parametrize(
@@ -140,15 +144,33 @@ def test_an_adapter_for_another_base_is_refused(
 ) -> None:
     other = write_demo_lora(tmp_path / "other", base=model_folder(tmp_path / "m", **changes))
     with pytest.raises(LoraLoadError, match=f"made for another model.*{reason}"):
-        check_adapter(str(other), max_rank=8, model=shapes())
-    check_adapter(str(other), max_rank=8, model=None)  # unknown architecture: left to the engine
+        check_adapter(str(other), roots=ANYWHERE, max_rank=8, model=shapes())
+    check_adapter(
+        str(other), roots=ANYWHERE, max_rank=8, model=None
+    )  # unknown architecture: left to the engine
 
 
-def test_a_bin_adapter_is_left_to_the_engine(adapter: Path, tmp_path: Path) -> None:
+def test_a_pickled_bin_adapter_is_refused(adapter: Path, tmp_path: Path) -> None:
     copy = tmp_path / "bin"
     shutil.copytree(adapter, copy)
     (copy / "adapter_model.safetensors").rename(copy / "adapter_model.bin")
-    assert check_adapter(str(copy), max_rank=8, model=shapes()).weights.suffix == ".bin"
+    with pytest.raises(LoraLoadError, match="only safetensors weights are loaded"):
+        check_adapter(str(copy), roots=ANYWHERE, max_rank=8, model=shapes())
+
+
+def test_only_folders_inside_the_roots_are_read(adapter: Path, tmp_path: Path) -> None:
+    roots = (tmp_path / "roots",)
+    roots[0].mkdir()
+    inside = roots[0] / "linked"
+    inside.symlink_to(adapter)  # a link inside a root that leads out of it
+    for path in (str(adapter), str(inside), str(tmp_path / "nowhere"), "/etc"):
+        with pytest.raises(LoraLoadError) as caught:
+            check_adapter(path, roots=roots, max_rank=8, model=shapes())
+        assert str(caught.value) == OUTSIDE_ROOTS  # the same whether or not it exists
+    (roots[0] / "real").symlink_to(roots[0])  # a link that stays inside is fine
+    shutil.copytree(adapter, roots[0] / "a")
+    files = check_adapter(str(roots[0] / "real" / "a"), roots=roots, max_rank=8, model=None)
+    assert files.path == (roots[0] / "a").resolve()
 
 
 def test_the_cli_writes_a_demo_adapter(tmp_path: Path, base: Path) -> None:
@@ -156,7 +178,7 @@ def test_the_cli_writes_a_demo_adapter(tmp_path: Path, base: Path) -> None:
 
     target = tmp_path / "cli-adapter"
     assert main(["demo-model", str(target), "--kind", "lora", "--base", str(base)]) == 0
-    assert check_adapter(str(target), max_rank=8, model=shapes()).rank == RANK
+    assert check_adapter(str(target), roots=ANYWHERE, max_rank=8, model=shapes()).rank == RANK
     assert (
         main(
             [

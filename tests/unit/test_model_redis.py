@@ -6,8 +6,8 @@ import pytest
 from fakeredis.aioredis import FakeRedis
 from pydantic import ValidationError
 
-from gateway.dispatch.cells import shown_url
 from shared.connections.model_redis import ModelRedis, check_served, parse_model_redis_urls
+from shared.connections.url import shown_url
 from shared.settings import GatewaySettings
 
 

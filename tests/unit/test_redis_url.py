@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+from pathlib import Path
 
 import pytest
 import redis
@@ -136,7 +138,20 @@ def test_per_model_urls_may_be_sentinel_urls_with_their_own_commas() -> None:
 
 
 def test_a_sentinel_url_is_shown_without_its_secrets() -> None:
-    from gateway.dispatch.cells import shown_url
+    from shared.connections.url import shown_url
 
     url = "redis+sentinel://:pw@h1:26379,h2/m/1?sentinel_password=sp"
     assert shown_url(url) == "redis+sentinel://h1:26379,h2:26379/m/1"
+
+
+def test_the_private_redis_start_never_logs_the_password(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from conveyor import redis_server
+
+    monkeypatch.setattr(redis_server.shutil, "which", lambda _: None)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(RuntimeError) as caught:
+        redis_server.start_private_redis("redis://:s3cret-pw@127.0.0.1:1/0", tmp_path)
+    assert "127.0.0.1:1" in caplog.text and "127.0.0.1:1" in str(caught.value)
+    assert "s3cret-pw" not in caplog.text and "s3cret-pw" not in str(caught.value)

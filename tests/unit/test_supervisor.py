@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -142,3 +145,74 @@ def test_up_gives_each_engine_worker_its_own_cores(monkeypatch: pytest.MonkeyPat
     ]
     pinned = Settings(workers=2, cpu_omp_threads_bind="2")
     assert worker_envs(pinned, worker_roles(pinned), {"X": "1"}) == [{"X": "1"}, {"X": "1"}]
+
+
+SUPERVISOR = """
+import signal, sys, time
+from conveyor.supervisor import Child, Supervisor
+supervisor = Supervisor(grace_s=30)
+loading = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', flush=True); time.sleep(60)"
+)
+child = Child("loading", [sys.executable, "-c", loading], {})
+supervisor.add(child)
+print(child.process.pid, flush=True)
+supervisor.run(poll_s=0.1)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_still_starting_dies_with_its_supervisor() -> None:
+    """`up` SIGKILLed while a worker is still loading (it defers SIGTERM until then): the
+    kernel kills the worker with it."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert supervisor.stdout is not None
+        lines = {supervisor.stdout.readline().strip() for _ in range(2)}
+        (pid,) = (int(line) for line in lines if line.isdigit())
+        supervisor.send_signal(signal.SIGTERM)  # stop_all: SIGTERM, which it ignores
+        time.sleep(0.5)
+        assert not _gone(pid)
+        supervisor.kill()
+        eventually_sync(lambda: _gone(pid), timeout_s=5, what="the child to die with `up`")
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_that_ignores_sigterm_is_killed_with_its_group_after_the_grace() -> None:
+    supervisor = Supervisor(grace_s=0.5)
+    stubborn = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
+    child = Child("stubborn", [sys.executable, "-c", stubborn], {})
+    supervisor.add(child)
+    assert child.process is not None
+    time.sleep(0.5)
+    supervisor.request_stop()
+    supervisor._check(child)  # nothing is restarted once stopping
+    supervisor.stop_all()
+    assert child.process.returncode == -signal.SIGKILL
+    group = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == child.process.pid]
+    assert [p for p in group if not _gone(int(p))] == []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

@@ -40,3 +40,10 @@ def test_forward_durations_and_errors() -> None:
         with pytest.raises(InvalidRequest) as caught:
             parse_instant(bad, param="since", now=NOW)
         assert caught.value.param == "since"
+
+
+@pytest.mark.parametrize("text", ["99999999999d", "9" * 400 + "w", "99999999999999", "1e300"])
+def test_times_out_of_range_are_invalid_requests(text: str) -> None:
+    with pytest.raises(InvalidRequest, match="out of range") as caught:
+        parse_instant(text, param="since", now=NOW)
+    assert caught.value.param == "since"

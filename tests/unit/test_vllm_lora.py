@@ -61,6 +61,7 @@ class FakeLLM:
 
 def settings(**changes: Any) -> Settings:
     lora: dict[str, Any] = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    lora["lora_roots"] = "/"  # the adapters live in pytest's temporary folders
     return Settings(**{**lora, "max_cpu_loras": 3, **changes})
 
 

@@ -6,6 +6,10 @@ bad path in a request (rather than a load) kills the engine. So a folder is read
 first, without torch: ``adapter_config.json`` (a LoRA, rank within the worker's limit,
 nothing but linear layers) and the safetensors header (every matrix's shape matches the
 model's layers). The reasons are what the worker reports (``failed: <reason>``).
+
+Only folders inside the LoRA roots are read (shared/lora_paths.py; a path outside them
+gets the same answer whether or not it exists), and only safetensors weights: a pickled
+``adapter_model.bin`` can run code when loaded.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.lora_paths import OUTSIDE_ROOTS, resolve_in_roots
 from shared.peft_layout import LlamaShapes
 from workers.engines.base import LoraLoadError
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILE = "adapter_model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _LINEAR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _NOT_LINEAR = ("embed_tokens", "lm_head", "lora_embedding")
@@ -34,21 +40,28 @@ class LoraFiles:
     weights: Path
 
 
-def check_adapter(path: str, *, max_rank: int, model: LlamaShapes | None) -> LoraFiles:
-    """The checked adapter at ``path``; raises :class:`LoraLoadError` with the reason.
-    ``model`` None (not a Llama-family config): the shapes are left to the engine."""
-    folder = Path(path)
-    if not folder.is_absolute():
+def check_adapter(
+    path: str, *, roots: Sequence[Path], max_rank: int, model: LlamaShapes | None
+) -> LoraFiles:
+    """The checked adapter at ``path`` (``LoraFiles.path``: symlinks resolved, the folder
+    to load from); raises :class:`LoraLoadError` with the reason. ``model`` None (not a
+    Llama-family config): the shapes are left to the engine."""
+    if not Path(path).is_absolute():
         raise LoraLoadError(f"adapter path {path!r} is not absolute")
+    folder = resolve_in_roots(path, roots)
+    if folder is None:
+        raise LoraLoadError(OUTSIDE_ROOTS)
     if not folder.is_dir():
         raise LoraLoadError(f"no adapter folder at {path}")
     config = _config(folder)
     rank = _rank(config, max_rank)
-    weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
-    if weights is None:
-        raise LoraLoadError(f"{path} has no {' or '.join(WEIGHT_FILES)}")
-    if weights.suffix == ".safetensors":
-        _check_shapes(_header(weights), model)
+    weights = folder / WEIGHT_FILE
+    if not weights.is_file():
+        raise LoraLoadError(
+            f"{path} has no {WEIGHT_FILE} (only safetensors weights are loaded; convert a "
+            "pickled adapter_model.bin)"
+        )
+    _check_shapes(_header(weights), model)
     return LoraFiles(folder, rank, weights)
 
 

@@ -104,6 +104,7 @@ class VllmLoras:
         self._slots = settings.max_loras
         self._max_loaded = settings.max_cpu_loras
         self._max_rank = settings.max_lora_rank
+        self._roots = settings.lora_root_paths()
         self._shapes = _shapes(llm)
         self._gate = LoraGate(settings.max_loras)
         self._loaded: dict[str, Any] = {}
@@ -152,7 +153,7 @@ class VllmLoras:
                     "adapters (CONVEYOR_MAX_CPU_LORAS)"
                 )
             files = await asyncio.to_thread(
-                check_adapter, path, max_rank=self._max_rank, model=self._shapes
+                check_adapter, path, roots=self._roots, max_rank=self._max_rank, model=self._shapes
             )
             request = self._new_request(name, str(files.path))
             started = time.monotonic()
