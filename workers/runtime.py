@@ -34,7 +34,7 @@ from shared.tasks import cancel_and_wait
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.intake.consumer import JobConsumer
 from workers.intake.janitor import SAFETY_NET_LOG
-from workers.journal.run_journal import RunJournal
+from workers.journal.run_journal import RunJournal, RunLease
 
 __all__ = ["SAFETY_NET_LOG", "WorkerRuntime"]
 
@@ -125,10 +125,15 @@ class WorkerRuntime:
         await asyncio.gather(*(task for _, task in self._jobs.runs()), return_exceptions=True)
         with contextlib.suppress(RedisError):
             await self._journal.flush()
-            failed = self._lifecycle.engine_dead or self._lifecycle.journal_failed
+
+            # A dead engine charges a failed delivery only to the jobs it was running
+            # (a job that kills every engine is dead-lettered, not its neighbours).
+            def failed(lease: RunLease) -> bool:
+                return self._lifecycle.journal_failed or self._jobs.charged(lease.job_id)
+
             # All at once: a dying worker's loop may be slow, and the jobs' next worker
             # should get them in one read, not one by one.
             handed = await asyncio.gather(
-                *(self._journal.hand_back(lease, failed=failed) for lease in leases)
+                *(self._journal.hand_back(lease, failed=failed(lease)) for lease in leases)
             )
             log.info("handed %d unfinished jobs back to the queue", sum(handed))

@@ -6,18 +6,29 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
-from shared.errors import EngineError
-from shared.protocol import SamplingOptions, TokenEvent
+from shared.errors import EngineDead, EngineError
+from shared.protocol import (
+    ErrorEvent,
+    FinishEvent,
+    GenerateJob,
+    SamplingOptions,
+    TokenEvent,
+    decode,
+)
 from shared.queue import names
+from shared.queue.job_queue import Delivery, JobQueue
 from shared.queue.liveness import WorkerRegistry
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import (
+    JOBS,
     MODEL,
     STREAM,
     FakeEngine,
     Timing,
+    entries,
     has_events,
     make_job,
     worker,
@@ -25,6 +36,8 @@ from tests.unit.worker_harness import (
 from tests.waiting import eventually
 from workers.engines.base import Handoff, PromptTokenStats, StepOutput
 from workers.health.canary import Canary
+from workers.intake.checks import dead_letter
+from workers.journal.run_journal import RunJournal
 from workers.roles import generate
 
 
@@ -150,3 +163,100 @@ async def test_canary_probes_only_an_idle_worker() -> None:
     assert idle.requests
     assert busy.requests == [] and canaries["busy"][0].healthy
     assert recent.requests == [] and canaries["recent"][0].healthy
+
+
+# ------------------------------------------------------------ engine crashes and charges
+
+
+class CrashEngine(FakeEngine):
+    """Dies as soon as it is given ``poison``; a dead engine takes no new sequence."""
+
+    async def generate(
+        self,
+        job_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        handoff: Handoff | None = None,
+        images: object = None,
+        adapter: str | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        if job_id.startswith("poison/") or self.dead:
+            self.started.append(job_id)
+            self.dead = True
+            raise EngineDead("the engine process exited")
+        async for step in super().generate(
+            job_id, prompt_token_ids, sampling, handoff=handoff, images=images, adapter=adapter
+        ):
+            yield step
+
+
+def _request_id(fields: dict[bytes, bytes]) -> str:
+    job = decode(fields)
+    assert isinstance(job, GenerateJob)
+    return job.request_id
+
+
+async def _queue_in_order(w: Any, *request_ids: str) -> None:
+    """Put the stream's entries back in this order (the poison first in the batch)."""
+    found = {_request_id(fields): (eid, fields) for eid, fields in await entries(w.redis, STREAM)}
+    for request_id in request_ids:
+        eid, fields = found[request_id]
+        await w.redis.xdel(STREAM, eid)
+        await w.redis.xadd(STREAM, fields)
+
+
+async def test_an_engine_crash_charges_only_the_jobs_it_was_running(
+    redis_target: RedisTarget,
+) -> None:
+    """A job that kills every engine is dead-lettered after ``max_deliveries`` crashes;
+    the neighbour read in the same batch, which never reached those engines, is not
+    charged and completes."""
+    await redis_target.flush()
+    for crash in range(4):
+        engine = CrashEngine(tokens=2)
+        async with worker(redis_target, engine, fresh=False, max_deliveries=3) as w:
+            if crash == 0:
+                await w.submit(make_job("poison"), make_job("neighbour"))
+            else:
+                await _queue_in_order(w, "poison", "neighbour")
+            if crash < 3:
+                await asyncio.wait_for(asyncio.shield(w.task), 5.0)
+                assert w.runtime.engine_dead is True
+                assert "neighbour/0" not in engine.started
+                continue
+            [poisoned] = await w.final_events("poison")
+            done = await w.final_events("neighbour")
+            await w.drained()
+            dead = await entries(w.redis, names.dead_letter_stream(STREAM))
+    await redis_target.flush()
+    assert isinstance(poisoned, ErrorEvent)
+    assert (poisoned.code, poisoned.attempt) == ("job_failed_repeatedly", 3)
+    assert [_request_id(fields) for _, fields in dead] == ["poison"]
+    assert isinstance(done[-1], FinishEvent)
+    assert engine.completed == ["neighbour/0"]
+
+
+async def test_the_dead_letter_stream_keeps_only_its_newest_entries(
+    redis_target: RedisTarget,
+) -> None:
+    await redis_target.flush()
+    redis = redis_target.connect()
+    try:
+        [delivery] = await _read_one(redis)
+        lease = await RunJournal(redis, consumer="w").begin(delivery)
+        for n in range(12):
+            await dead_letter(redis, lease, f"crash {n}", max_len=5)
+            assert await redis.xlen(names.dead_letter_stream(STREAM)) <= 5
+        reasons = [f[b"reason"] for _, f in await entries(redis, names.dead_letter_stream(STREAM))]
+        assert reasons == [f"crash {n}".encode() for n in range(7, 12)]
+    finally:
+        await redis_target.flush()
+        await redis.aclose()
+
+
+async def _read_one(redis: Any) -> list[Delivery]:
+    queue = JobQueue(redis)
+    await queue.ensure_group(STREAM)
+    await queue.submit(STREAM, [make_job("dead")], max_depth=10)
+    return await queue.read([JOBS], "w", count=1, block_ms=100)

@@ -29,6 +29,9 @@ class ActiveJobs:
         self._slot_freed = asyncio.Event()
         self.orphaned: list[RunLease] = []
         """Leases of jobs whose engine died under them: handed back on the way out."""
+        self._in_engine: set[str] = set()
+        self._crashed: set[str] | None = None
+        """The jobs in the engine when it died (None while it lives)."""
         self.handing_back = False
         """Set while the runtime hands every job back: finished tasks keep their slots."""
 
@@ -44,9 +47,28 @@ class ActiveJobs:
     def done(self, job_id: str) -> None:
         """The job's task has ended: its slot is free (unless everything is handed back)."""
         self._fenced.discard(job_id)
+        self._in_engine.discard(job_id)
         if not self.handing_back:
             self._runs.pop(job_id, None)
             self._slot_freed.set()
+
+    def entering_engine(self, job_id: str) -> bool:
+        """The job's run is about to reach the engine; False once the engine is dead
+        (the job is handed back, uncharged: it never ran on the engine that died)."""
+        if self._crashed is not None:
+            return False
+        self._in_engine.add(job_id)
+        return True
+
+    def engine_died(self) -> None:
+        """Note which jobs were in the engine: only they are charged a failed delivery."""
+        if self._crashed is None:
+            self._crashed = set(self._in_engine)
+
+    def charged(self, job_id: str) -> bool:
+        """Whether handing ``job_id`` back counts as a failed delivery (its engine died
+        while running it)."""
+        return self._crashed is not None and job_id in self._crashed
 
     @contextmanager
     def starting(self, entry_ids: Iterable[str]) -> Iterator[None]:
@@ -140,6 +162,7 @@ class Lifecycle:
         await self._unpaused.wait()
 
     def engine_died(self) -> None:
+        self._jobs.engine_died()
         if not self.engine_dead:
             log.error("engine is dead; handing jobs back and stopping worker %s", self._worker_id)
         self.engine_dead = True

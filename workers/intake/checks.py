@@ -38,6 +38,9 @@ from workers.journal.run_journal import RunLease
 
 log = logging.getLogger(__name__)
 
+DEAD_LETTER_MAX_LEN = 10_000
+"""Entries each dead-letter stream keeps (the oldest go first)."""
+
 
 class Verdict(Enum):
     RUN = "run"
@@ -141,8 +144,13 @@ def _migration_refusal(job: Job, lease: RunLease, policy: IntakePolicy) -> str |
     return None
 
 
-async def dead_letter(redis: aioredis.Redis, lease: RunLease, reason: str) -> None:
+async def dead_letter(
+    redis: aioredis.Redis, lease: RunLease, reason: str, *, max_len: int = DEAD_LETTER_MAX_LEN
+) -> None:
+    """Keep a copy of the job and why it was set aside; the stream keeps the newest
+    ``max_len`` (a record, not work: trimming loses nothing that would run)."""
     fields = encode(without_stored_schema(lease.delivery.job))
     fields[b"reason"] = reason.encode()
     fields[b"entry"] = lease.delivery.entry_id.encode()
-    await redis.xadd(names.dead_letter_stream(lease.delivery.stream), fields)  # type: ignore[arg-type]
+    stream = names.dead_letter_stream(lease.delivery.stream)
+    await redis.xadd(stream, fields, maxlen=max_len, approximate=False)  # type: ignore[arg-type]

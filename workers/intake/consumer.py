@@ -206,6 +206,9 @@ class JobConsumer:
     async def _run_job(self, run: JobRun) -> None:
         job_id = run.lease.job_id
         try:
+            if not self._jobs.entering_engine(job_id):
+                self._jobs.orphaned.append(run.lease)  # handed back on the way out
+                return
             await run.run()
         except asyncio.CancelledError:
             if not self._jobs.fenced(job_id) and not self._jobs.handing_back:
