@@ -221,7 +221,9 @@ async def test_model_cards_have_vllms_fields(gateway: LiveGateway) -> None:
                 "permission": list,
             },
         )
-        assert card["root"] == card["id"]  # the served name, never a server path
+        # auth off acts as admin: the model's folder, as vLLM shows it (other keys see the
+        # served name: tests/db/test_inference_auth.py)
+        assert card["root"] == gateway.state.catalog.get(card["id"]).path
         (permission,) = card["permission"]
         assert set(permission) == set(PERMISSION_FIELDS)
         shape(permission, PERMISSION_FIELDS)
