@@ -168,7 +168,8 @@ async def bump_key_generation(redis: aioredis.Redis | None) -> str | None:
 
 
 async def _existing(session: AsyncSession, key_id: str) -> ApiKeyRow:
-    row = await keys_repo.get(session, key_id)
+    # An id with a NUL is no key's (PostgreSQL refuses it in text: that was a 503)
+    row = await keys_repo.get(session, key_id) if key_id.isprintable() else None
     if row is None:
         raise ApiKeyNotFound(f"no API key with id {key_id!r}", param="id")
     return row
@@ -222,6 +223,10 @@ def _validated(
     if expires_at is not None and (changed is None or "expires_at" in changed):
         if expires_at.tzinfo is None:
             raise InvalidRequest("expires_at needs a time zone (e.g. Z)", param="expires_at")
+        try:  # 9999-12-31T23:59-14:00 is past datetime.max in UTC: a 500 before
+            expires_at.astimezone(UTC)
+        except OverflowError:
+            raise InvalidRequest("expires_at is out of range", param="expires_at") from None
         if expires_at <= now:
             raise InvalidRequest("expires_at is in the past", param="expires_at")
     return {**values, "name": name}
@@ -235,9 +240,10 @@ def _check_models(models: frozenset[str] | None) -> None:
             "models is empty: leave it out (or null) for every model", param="models"
         )
     for model in models:
-        if not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
-            raise InvalidRequest(
-                f"model names are 1 to {MAX_MODEL_NAME_CHARS} characters", param="models"
+        if not 0 < len(model) <= MAX_MODEL_NAME_CHARS or not model.isprintable():
+            raise InvalidRequest(  # PostgreSQL refuses a NUL in text: that was a 503
+                f"model names are 1 to {MAX_MODEL_NAME_CHARS} printable characters",
+                param="models",
             )
 
 

@@ -227,7 +227,12 @@ class ImageFetcher:
                         "are fetched uncompressed (Accept-Encoding: identity)"
                     )
                 declared = response.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > self._policy.max_bytes:
+                if (
+                    declared
+                    and declared.isascii()
+                    and declared.isdigit()
+                    and int(declared) > self._policy.max_bytes
+                ):
                     raise ImageFetchError(self._too_big(int(declared)))
                 chunks: list[bytes] = []
                 size = 0

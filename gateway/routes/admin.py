@@ -7,6 +7,7 @@ the field in ``param``, an unknown key id a 404, a change to a revoked key a 409
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, cast
 
@@ -27,6 +28,7 @@ from shared.roles import Role
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_scope(Scope.ADMIN))])
 
 MAX_USAGE_ROWS = 1000
+_ROW_COUNT = re.compile(r"[0-9]{1,9}")
 
 
 def _control(state: StateDep) -> ControlPlane:
@@ -182,7 +184,8 @@ def _group_by(value: str | None) -> GroupBy | None:
 def _limit(value: str | None) -> int:
     if value is None:
         return 100
-    if not value.isdigit() or not 0 < int(value) <= MAX_USAGE_ROWS:
+    # ASCII digits only: str.isdigit() also passes "²", which int() refuses
+    if not _ROW_COUNT.fullmatch(value) or not 0 < int(value) <= MAX_USAGE_ROWS:
         raise InvalidRequest(f"limit must be 1 to {MAX_USAGE_ROWS}", param="limit")
     return int(value)
 

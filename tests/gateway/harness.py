@@ -111,6 +111,7 @@ class InProcessGateway:
     app: FastAPI
     server: fakeredis.FakeServer
     settings: GatewaySettings
+    state: GatewayState
 
     def queued(self, role: str = "aggregated", model: str = "tiny") -> list[dict[bytes, bytes]]:
         """The fields of every entry of a job stream (decode them with shared.protocol)."""
@@ -120,23 +121,30 @@ class InProcessGateway:
 
 
 def build_gateway(
-    generate: ServedModel, *, workers: bool = False, **settings_fields: Any
+    generate: ServedModel,
+    *,
+    workers: bool = False,
+    more_models: Sequence[ServedModel] = (),
+    **settings_fields: Any,
 ) -> InProcessGateway:
-    """Use the app inside ``with TestClient(app)`` so that registration runs."""
+    """Use the app inside ``with TestClient(app)`` so that registration runs; with
+    ``workers``, each of ``more_models`` gets an aggregated worker too."""
     settings = gateway_settings(**settings_fields)
     server = fakeredis.FakeServer()
-    state = gateway_state(generate, settings, FakeRedis(server=server))
+    state = gateway_state(generate, settings, FakeRedis(server=server), more_models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if workers:  # in the app's own event loop, as fakeredis wants
             await register(state, Role.AGGREGATED, generate.name)
             await register(state, Role.EMBED, EMBED_MODEL)
+            for model in more_models:
+                await register(state, Role.AGGREGATED, model.name)
         yield
 
     app = build_app(settings, lifespan)
     app.state.gateway = state
-    return InProcessGateway(app, server, settings)
+    return InProcessGateway(app, server, settings, state)
 
 
 def error_of(response: Any, status: int = 400) -> dict[str, Any]:
