@@ -18,6 +18,7 @@ import httpx
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
+from conveyor.engine_flags import merged_engine_args, split_engine_flags
 from conveyor.model_source import with_model
 from shared.settings import SETTING_GROUPS, EngineKind, Mode, Role, Settings, own_fields
 
@@ -116,6 +117,7 @@ def _setup_logging(level: str, data_dir: Path | None = None) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, engine_flags = split_engine_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "demo-model" and args.kind == "lora":
         _setup_logging("INFO")
@@ -128,6 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
         return 0
     settings = settings_from(args)
+    if engine_flags and args.command not in ("worker", "up"):
+        print("conveyor: vLLM flags after `--` are for `worker` and `up`", file=sys.stderr)
+        return 2
+    if engine_flags:
+        try:
+            engine_args = merged_engine_args(settings.engine_args, engine_flags)
+        except ValueError as exc:
+            print(f"conveyor: {exc}", file=sys.stderr)
+            return 2
+        settings = settings.model_copy(update={"engine_args": engine_args})
     if args.command in ("db", "keys", "usage", "lora"):
         from conveyor.admin_cli import run_admin
 
