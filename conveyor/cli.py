@@ -235,7 +235,8 @@ def run_up(settings: Settings) -> int:
                     on_exit=_forget_worker(settings.redis_url),
                 )
             )
-        supervisor.add(Child("gateway", [*command, "gateway"], env))
+        for number, gateway_env in enumerate(gateway_envs(settings, env)):
+            supervisor.add(Child(f"gateway-{number}", [*command, "gateway"], gateway_env))
         return supervisor.run(tick=ReadyAnnouncer(settings))
     finally:
         supervisor.stop_all()
@@ -253,6 +254,14 @@ def _forget_worker(redis_url: str) -> Callable[[int], None]:
             log.info("worker %s is gone; the others take over its jobs now", worker_id)
 
     return forget
+
+
+def gateway_envs(settings: Settings, env: dict[str, str]) -> list[dict[str, str]]:
+    """One environment per gateway process: several share --port with SO_REUSEPORT (each
+    has its own gateway id and reply stream, as gateways on several hosts do)."""
+    if settings.gateways == 1:
+        return [env]
+    return [{**env, "CONVEYOR_REUSE_PORT": "true"} for _ in range(settings.gateways)]
 
 
 def worker_roles(settings: Settings) -> list[str]:

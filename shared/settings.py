@@ -272,6 +272,11 @@ class GatewaySettings(ImageSettings):
         "cannot reach a local gateway through DNS rebinding. With auth on any Host is "
         "answered.",
     )
+    reuse_port: bool = Field(
+        False,
+        description="Bind --port with SO_REUSEPORT, so that several gateway processes on "
+        "this host share it (`conveyor up --gateways N` sets it).",
+    )
     queue_max_depth: int = Field(
         1024, description="Jobs queued or running per (model, stage) before 429."
     )
@@ -542,6 +547,12 @@ class SupervisorSettings(CommonSettings):
     )
     workers: int = Field(
         1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
+    )
+    gateways: int = Field(
+        1,
+        ge=1,
+        description="`conveyor up`: gateway processes, all listening on --port "
+        "(SO_REUSEPORT: the kernel spreads connections over them).",
     )
     lora_demo: bool = Field(
         False,
