@@ -18,6 +18,7 @@ import httpx
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
+from conveyor.engine_flags import merged_engine_args, split_engine_flags
 from conveyor.model_source import with_model
 from shared.settings import SETTING_GROUPS, EngineKind, Mode, Role, Settings, own_fields
 
@@ -116,6 +117,7 @@ def _setup_logging(level: str, data_dir: Path | None = None) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, engine_flags = split_engine_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "demo-model" and args.kind == "lora":
         _setup_logging("INFO")
@@ -128,6 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo model written to {args.path}\n{DEMO_MODEL_NOTICE}")
         return 0
     settings = settings_from(args)
+    if engine_flags and args.command not in ("worker", "up"):
+        print("conveyor: vLLM flags after `--` are for `worker` and `up`", file=sys.stderr)
+        return 2
+    if engine_flags:
+        try:
+            engine_args = merged_engine_args(settings.engine_args, engine_flags)
+        except ValueError as exc:
+            print(f"conveyor: {exc}", file=sys.stderr)
+            return 2
+        settings = settings.model_copy(update={"engine_args": engine_args})
     if args.command in ("db", "keys", "usage", "lora"):
         from conveyor.admin_cli import run_admin
 
@@ -223,7 +235,8 @@ def run_up(settings: Settings) -> int:
                     on_exit=_forget_worker(settings.redis_url),
                 )
             )
-        supervisor.add(Child("gateway", [*command, "gateway"], env))
+        for number, gateway_env in enumerate(gateway_envs(settings, env)):
+            supervisor.add(Child(f"gateway-{number}", [*command, "gateway"], gateway_env))
         return supervisor.run(tick=ReadyAnnouncer(settings))
     finally:
         supervisor.stop_all()
@@ -241,6 +254,14 @@ def _forget_worker(redis_url: str) -> Callable[[int], None]:
             log.info("worker %s is gone; the others take over its jobs now", worker_id)
 
     return forget
+
+
+def gateway_envs(settings: Settings, env: dict[str, str]) -> list[dict[str, str]]:
+    """One environment per gateway process: several share --port with SO_REUSEPORT (each
+    has its own gateway id and reply stream, as gateways on several hosts do)."""
+    if settings.gateways == 1:
+        return [env]
+    return [{**env, "CONVEYOR_REUSE_PORT": "true"} for _ in range(settings.gateways)]
 
 
 def worker_roles(settings: Settings) -> list[str]:

@@ -4,6 +4,7 @@ then uvicorn lets open streams finish within the grace period before exiting."""
 from __future__ import annotations
 
 import logging
+import socket
 from types import FrameType
 from typing import Any
 
@@ -43,5 +44,17 @@ def serve(settings: GatewaySettings) -> int:
     except AuthConfigError as exc:
         log.error("%s", exc)
         return 2
-    DrainingServer(uvicorn_config(settings)).run()
+    sockets = [reuse_port_socket(settings.host, settings.port)] if settings.reuse_port else None
+    DrainingServer(uvicorn_config(settings)).run(sockets=sockets)
     return 0
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening address several processes bind at once (SO_REUSEPORT): the kernel
+    spreads new connections over them, and one that exits leaves the others serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock

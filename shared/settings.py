@@ -15,8 +15,10 @@ Settings                  all of them: what the `conveyor` command builds
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -270,6 +272,11 @@ class GatewaySettings(ImageSettings):
         "cannot reach a local gateway through DNS rebinding. With auth on any Host is "
         "answered.",
     )
+    reuse_port: bool = Field(
+        False,
+        description="Bind --port with SO_REUSEPORT, so that several gateway processes on "
+        "this host share it (`conveyor up --gateways N` sets it).",
+    )
     queue_max_depth: int = Field(
         1024, description="Jobs queued or running per (model, stage) before 429."
     )
@@ -498,6 +505,36 @@ class WorkerSettings(ImageSettings):
         description="LoRA adapters a worker keeps loaded; further registered adapters are "
         "reported failed on it.",
     )
+    engine_args: str = Field(
+        "",
+        description="vLLM workers: vLLM engine arguments as a JSON object of AsyncEngineArgs "
+        'field names, e.g. `{"enable_prefix_caching": false, "block_size": 32}`; they win '
+        "over Conveyor's defaults and are checked with vLLM's own parser at start-up. vLLM's "
+        "own flags after `--` on `conveyor worker` or `conveyor up` are added to it.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _check_engine_args(cls, value: str) -> str:
+        engine_args_object(value)
+        return value
+
+    def engine_arg_values(self) -> dict[str, Any]:
+        """CONVEYOR_ENGINE_ARGS as a dict (field name -> value), empty when unset."""
+        return engine_args_object(self.engine_args)
+
+
+def engine_args_object(text: str) -> dict[str, Any]:
+    """The JSON object of CONVEYOR_ENGINE_ARGS (empty text: none)."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"engine_args is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("engine_args must be a JSON object of vLLM engine argument names")
+    return value
 
 
 class SupervisorSettings(CommonSettings):
@@ -510,6 +547,12 @@ class SupervisorSettings(CommonSettings):
     )
     workers: int = Field(
         1, description="`conveyor up`: aggregated workers (disaggregated: prefill/decode pairs)."
+    )
+    gateways: int = Field(
+        1,
+        ge=1,
+        description="`conveyor up`: gateway processes, all listening on --port "
+        "(SO_REUSEPORT: the kernel spreads connections over them).",
     )
     lora_demo: bool = Field(
         False,

@@ -17,7 +17,7 @@ import uvloop
 
 from shared.connections.connect import connect
 from shared.roles import Role
-from shared.settings import Settings
+from shared.settings import EngineKind, Settings
 from workers.assembly import WorkerPolicy, build_worker
 from workers.roles.table import ROLES
 
@@ -48,6 +48,9 @@ async def serve(settings: Settings) -> int:
         model_path, served_name = model_of(settings)
     except (ValueError, ImportError) as exc:
         log.error("worker has no model to load: %s", exc)
+        return EXIT_CONFIG_ERROR
+    if settings.engine_args.strip() and settings.engine is not EngineKind.VLLM:
+        log.error("engine arguments (--engine-args, flags after --) are for --engine vllm")
         return EXIT_CONFIG_ERROR
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

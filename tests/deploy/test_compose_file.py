@@ -40,9 +40,15 @@ from tests.deploy.compose_model import (
 
 REDIS_2_OVERRIDE = ROOT / "compose.redis-2.yaml"
 SETTING_VARIABLES = {f"CONVEYOR_{name.upper()}" for name in Settings.model_fields}
-SET_BY_COMMAND_OR_UP = {"CONVEYOR_ROLE", "CONVEYOR_MODE", "CONVEYOR_WORKERS", "CONVEYOR_LORA_DEMO"}
-"""Not in the shared environment: the role is each worker's flag; mode, workers and the
-demo adapter are `up`'s."""
+SET_BY_COMMAND_OR_UP = {
+    "CONVEYOR_ROLE",
+    "CONVEYOR_MODE",
+    "CONVEYOR_WORKERS",
+    "CONVEYOR_GATEWAYS",
+    "CONVEYOR_LORA_DEMO",
+}
+"""Not in the shared environment: the role is each worker's flag; mode, workers, gateways
+and the demo adapter are `up`'s."""
 
 
 def test_every_service_the_issue_names_exists() -> None:

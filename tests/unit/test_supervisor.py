@@ -216,3 +216,25 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_several_gateways_share_the_port_with_reuse_port() -> None:
+    from conveyor.cli import gateway_envs
+    from shared.settings import Settings
+
+    env = {"CONVEYOR_PORT": "8123"}
+    assert gateway_envs(Settings(gateways=1), env) == [env]
+    several = gateway_envs(Settings(gateways=3), env)
+    assert several == [{**env, "CONVEYOR_REUSE_PORT": "true"}] * 3
+
+
+def test_reuse_port_sockets_bind_the_same_port_twice() -> None:
+    from gateway.server import reuse_port_socket
+
+    first = reuse_port_socket("127.0.0.1", 0)
+    second = reuse_port_socket("127.0.0.1", first.getsockname()[1])
+    try:
+        assert first.getsockname() == second.getsockname()
+    finally:
+        first.close()
+        second.close()

@@ -28,6 +28,7 @@ from workers.engines.base import (
 from workers.engines.vision.encoder import vision_family
 from workers.engines.vllm import lora
 from workers.engines.vllm.admin import VllmAdmin
+from workers.engines.vllm.engine_args import operator_engine_args, with_defaults
 from workers.engines.vllm.placement import (
     engine_cores,
     kv_transfer_config,
@@ -47,32 +48,20 @@ and it only frees memory that the process's exit frees anyway."""
 class VllmEngine:
     def __init__(self, settings: Settings, model_path: str, served_name: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gib))))
-        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        operator = operator_engine_args(settings.engine_arg_values())  # first: fails fast
+        if operator:
+            log.info("vLLM engine arguments from the operator: %s", sorted(operator))
         kv_transfer = kv_transfer_config(settings)
         place_engine(settings)  # prefill/decode too: see place_engine
-        pooling = settings.role is Role.EMBED
         args = AsyncEngineArgs(
-            model=model_path,
-            runner="pooling" if pooling else "auto",
-            served_model_name=served_name,
-            dtype=settings.dtype,  # type: ignore[arg-type]
-            max_model_len=settings.max_model_len,  # type: ignore[arg-type]
-            enforce_eager=True,
-            max_num_seqs=settings.worker_max_slots,
-            enable_prefix_caching=not pooling,  # encoder-only models keep no KV cache
+            **with_defaults(_default_args(settings, model_path, served_name), operator),
             kv_transfer_config=kv_transfer,
-            structured_outputs_config=StructuredOutputsConfig(
-                backend="xgrammar", disable_any_whitespace=not settings.json_any_whitespace
-            ),
             # Per-step stats cost CPU beside the engine on every token; only prefill/decode
             # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
             disable_log_stats=kv_transfer is None,
-            use_tqdm_on_load=False,  # a progress bar on stderr, past the logging rule
-            **_vision_args(model_path, settings),
-            **lora.engine_args(settings, model_path),
         )
         self.prompt_stats = PromptTokenStats()
         _start_quiet_resource_tracker()
@@ -216,6 +205,29 @@ def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
             pass
 
     return PromptStatsLogger
+
+
+def _default_args(settings: Settings, model_path: str, served_name: str) -> dict[str, Any]:
+    """Conveyor's AsyncEngineArgs; the operator's engine arguments replace any of them."""
+    from vllm.config import StructuredOutputsConfig
+
+    pooling = settings.role is Role.EMBED
+    return {
+        "model": model_path,
+        "runner": "pooling" if pooling else "auto",
+        "served_model_name": served_name,
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "enforce_eager": True,
+        "max_num_seqs": settings.worker_max_slots,
+        "enable_prefix_caching": not pooling,  # encoder-only models keep no KV cache
+        "structured_outputs_config": StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=not settings.json_any_whitespace
+        ),
+        "use_tqdm_on_load": False,  # a progress bar on stderr, past the logging rule
+        **_vision_args(model_path, settings),
+        **lora.engine_args(settings, model_path),
+    }
 
 
 def _vision_args(model_path: str, settings: Settings) -> dict[str, Any]:
