@@ -239,12 +239,19 @@ async def _generate(
             choices_per_prompt=body.n,
             include_usage=body.include_usage(),
             keepalive_s=state.settings.sse_keepalive_s,
+            prompt_tokens=_prompt_tokens(plan) if body.continuous_usage() else None,
         )
         return EventStreamResponse(events, handle)  # the response owns the handle now
     async with handle:
         work = collect_response(handle, fmt, indices=indices, choices_per_prompt=body.n)
         result = await unless_disconnected(work, receive)
     return _json_answer(result, handle)
+
+
+def _prompt_tokens(plan: RequestPlan[Generation]) -> dict[int, int]:
+    """Each choice's prompt length, for continuous usage until the engine reports its own
+    (a vision prompt's images count as their one placeholder token each until then)."""
+    return {choice.index: len(choice.prompt_token_ids) for choice in plan.work.choices}
 
 
 def _json_answer(result: Json | None, handle: RequestHandle) -> Response:

@@ -99,6 +99,40 @@ async def test_n_prompts_times_n_choices_with_usage_counting_each_prompt_once(
     }
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_continuous_usage_puts_each_choices_usage_so_far_on_every_chunk(
+    gateway: LiveGateway, path: str
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**BODIES[path], "n": 2, "max_tokens": 3, "stream": True, "stream_options": options}
+    response = await gateway.client.post(path, json=body)
+    *chunks, usage_chunk, done = events(response.text)
+    assert done.data == DONE
+    [job, _] = gateway.workers[0].generate_jobs()
+    prompt = len(job.prompt_token_ids)
+    seen = {0: 0, 1: 0}
+    for chunk in chunks:
+        [choice] = chunk.data["choices"]
+        index = choice["index"]
+        generated = (
+            3 if choice.get("finish_reason") else (0 if chunk.id is None else seen[index] + 1)
+        )
+        seen[index] = generated
+        assert chunk.data["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+        }, chunk
+    assert seen == {0: 3, 1: 3}
+    assert usage_chunk.data["usage"]["completion_tokens"] == 6
+
+
+async def test_continuous_usage_needs_include_usage(gateway: LiveGateway) -> None:
+    options = {"continuous_usage_stats": True}
+    response = await gateway.client.post(CHAT, json=chat(stream_options=options, **STREAM))
+    assert all("usage" not in item.data for item in events(response.text)[:-1])
+
+
 async def test_n_choices_non_stream_come_in_index_order(gateway: LiveGateway) -> None:
     response = await gateway.client.post(CHAT, json=chat(n=3, max_tokens=1, temperature=1.0))
     choices = response.json()["choices"]
