@@ -133,6 +133,41 @@ async def test_continuous_usage_needs_include_usage(gateway: LiveGateway) -> Non
     assert all("usage" not in item.data for item in events(response.text)[:-1])
 
 
+async def test_return_token_ids_gives_vllms_prompt_and_completion_ids(
+    gateway: LiveGateway,
+) -> None:
+    chat_body = chat(max_tokens=2, n=2, return_token_ids=True)
+    answer = (await gateway.client.post(CHAT, json=chat_body)).json()
+    [job, _] = gateway.workers[0].generate_jobs()
+    assert answer["prompt_token_ids"] == job.prompt_token_ids
+    assert [c["token_ids"] for c in answer["choices"]] == [[7, 7], [7, 7]]
+    streamed = events((await gateway.client.post(CHAT, json={**chat_body, **STREAM})).text)
+    assert [item.data.get("prompt_token_ids") for item in streamed[:3]] == [
+        job.prompt_token_ids,
+        None,
+        None,
+    ]
+    text_body = {**BODIES[COMPLETIONS], "prompt": [[5, 6], [8]], "max_tokens": 2}
+    text = (
+        await gateway.client.post(COMPLETIONS, json={**text_body, "return_token_ids": True})
+    ).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in text["choices"]] == [
+        ([5, 6], [7, 7]),
+        ([8], [7, 7]),
+    ]
+    stream = {**text_body, "return_token_ids": True, **STREAM}
+    chunks = [
+        item.data
+        for item in events((await gateway.client.post(COMPLETIONS, json=stream)).text)[:-1]
+    ]
+    firsts = [
+        c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]
+    ]
+    assert sorted(firsts) == [[5, 6], [8]]
+    plain = (await gateway.client.post(COMPLETIONS, json=text_body)).json()
+    assert "prompt_token_ids" not in plain["choices"][0]
+
+
 async def test_n_choices_non_stream_come_in_index_order(gateway: LiveGateway) -> None:
     response = await gateway.client.post(CHAT, json=chat(n=3, max_tokens=1, temperature=1.0))
     choices = response.json()["choices"]
