@@ -73,6 +73,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     """An xgrammar structural tag (JSON text)."""
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be sampled."""
+    cache_salt: str | None = None
+    """The prompt shares prefix-cache entries only with prompts of the same salt."""
 
 
 def is_guided(sampling: SamplingOptions) -> bool:

@@ -50,6 +50,21 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def _cache_salt(salt: str) -> str:
+    """vLLM's rule (``validate_cache_salt``): non-empty, at most 128 characters, none of
+    ``@ / \\`` or NUL."""
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN & set(salt):
+        raise ValueError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+            "characters without '@', '/', '\\' or NUL"
+        )
+    return salt
+
+
 StopSequence = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 
@@ -241,6 +256,9 @@ class SamplingFields(_Lenient):
     truncation_side: Literal["left", "right"] | None = None
     """``left`` (default) keeps the last N tokens, ``right`` the first N."""
     use_beam_search: bool = False
+    cache_salt: Annotated[Text, AfterValidator(_cache_salt)] | None = None
+    """Isolates the request's prefix-cache entries: only requests with the same salt share
+    them (vLLM's rule for the value)."""
     # Removed from vLLM (its server now ignores them with a warning): refused here.
     guided_json: Any = None
     guided_regex: Any = None

@@ -257,6 +257,7 @@ def sampling_options(
         min_tokens=request.min_tokens,
         logprobs=logprobs,
         logit_bias=logit_bias,
+        cache_salt=request.cache_salt,
         **(constraint(request) if structured is None else structured),
         **token_ids,
     )

@@ -372,3 +372,23 @@ def test_continuous_usage_counts_every_chunk(client: openai.OpenAI, running: Run
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
     assert counts == sorted(counts) and counts[-1] == 5
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_return_token_ids_and_cache_salt(running: Running) -> None:
+    prompt = [20, 21, 22, 23]
+    response = httpx.post(
+        f"{running.base_url}/v1/completions",
+        json={
+            "model": running.model,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "return_token_ids": True,
+            "cache_salt": "tenant-a",
+        },
+        timeout=120,
+    )
+    response.raise_for_status()
+    [choice] = response.json()["choices"]
+    assert choice["prompt_token_ids"] == prompt
+    assert len(choice["token_ids"]) == 4

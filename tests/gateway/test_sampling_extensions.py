@@ -109,6 +109,11 @@ def test_a_structured_json_schema_is_stored_like_response_formats(
         ({"allowed_token_ids": [1, 100000]}, "allowed_token_ids"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "a/b"}, "cache_salt"),
+        ({"cache_salt": "user@host"}, "cache_salt"),
+        ({"cache_salt": "x" * 129}, "cache_salt"),
+        ({"cache_salt": 5}, "cache_salt"),
         ({"truncate_prompt_tokens": 4096}, "truncate_prompt_tokens"),
     ],
 )
@@ -181,3 +186,11 @@ def test_truncate_minus_one_leaves_room_for_max_tokens(
     )
     assert len(job.prompt_token_ids) == window - 8
     assert job.sampling.max_tokens == 8
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_cache_salt_reaches_the_job(
+    client: TestClient, gateway: InProcessGateway, path: str
+) -> None:
+    assert queued(client, gateway, path, cache_salt="tenant-42").sampling.cache_salt == "tenant-42"
+    assert queued(client, gateway, path).sampling.cache_salt is None

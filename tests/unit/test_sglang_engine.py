@@ -404,6 +404,7 @@ FIELD_DESTINATIONS = {
     "grammar": "constraint: sampling_params.ebnf",
     "structural_tag": "constraint: sampling_params.structural_tag",
     "allowed_token_ids": "refused: no SGLang counterpart",
+    "cache_salt": "refused: no SGLang counterpart",
 }
 
 
@@ -426,6 +427,7 @@ def test_constraints_beyond_json(kind: str, value: str, destination: str) -> Non
     [
         ("choice", ("a", "b"), "structured_outputs.choice"),
         ("allowed_token_ids", (1, 2), "allowed_token_ids"),
+        ("cache_salt", "tenant-a", "cache_salt"),
     ],
 )
 def test_fields_without_a_counterpart_are_400(field: str, value: object, param: str) -> None:

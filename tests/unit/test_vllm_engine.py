@@ -151,6 +151,11 @@ def test_a_text_prompt_is_its_token_ids() -> None:
     assert tokens_prompt([1, 2, 3], None, None) == {"prompt_token_ids": [1, 2, 3]}
 
 
+def test_a_cache_salt_rides_on_the_prompt() -> None:
+    prompt = tokens_prompt([1, 2], None, None, "tenant-a")
+    assert prompt == {"prompt_token_ids": [1, 2], "cache_salt": "tenant-a"}
+
+
 def test_raw_images_go_along_decoded() -> None:
     image = Image.new("RGB", (4, 4))
     prompt = tokens_prompt([1, 99, 2], PromptImages(raw=(image,)), "llava")

@@ -57,7 +57,8 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
     """SGLang ``sampling_params`` (``sglang.srt.sampling.sampling_params.SamplingParams``).
 
     ``prompt_logprobs`` is not supported (prompt logprobs never reach :class:`StepOutput`);
-    ``choice`` and ``allowed_token_ids`` have no SGLang counterpart: a 400.
+    ``choice``, ``allowed_token_ids`` and ``cache_salt`` have no SGLang counterpart: a 400
+    (a salt ignored would share the prefix cache its client asked to keep apart).
     """
     _refuse_unsupported(options)
     params: dict[str, Any] = {
@@ -95,7 +96,7 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
 
 
 def _refuse_unsupported(options: SamplingOptions) -> None:
-    for name in ("choice", "allowed_token_ids"):
+    for name in ("choice", "allowed_token_ids", "cache_salt"):
         if getattr(options, name) is not None:
             param = "structured_outputs.choice" if name == "choice" else name
             raise InvalidRequest(f"the SGLang backend of Conveyor does not do {param}", param=param)

@@ -83,14 +83,20 @@ def _check_constraint(params: Any, options: SamplingOptions) -> None:
 
 
 def tokens_prompt(
-    prompt_token_ids: list[int], images: PromptImages | None, family: str | None
+    prompt_token_ids: list[int],
+    images: PromptImages | None,
+    family: str | None,
+    cache_salt: str | None = None,
 ) -> Any:
     """vLLM's TokensPrompt: token ids holding each image's single, unexpanded placeholder,
     plus the images (raw, or an encode worker's embeddings in the model ``family``'s
-    shape): vLLM expands the placeholders itself (expanded ids would be expanded again)."""
+    shape): vLLM expands the placeholders itself (expanded ids would be expanded again);
+    and the request's ``cache_salt``."""
     from vllm.inputs import TokensPrompt
 
     prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
     if images is None:
         return prompt
     if family is None:
