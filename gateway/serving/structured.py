@@ -22,7 +22,6 @@ LEGACY_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 def constraint(request: Any) -> dict[str, Any]:
     """The SamplingOptions fields constraining every choice of ``request`` (empty: none);
     a JSON schema is serialized and capped once per request."""
-    _refuse_legacy(request)
     structured: StructuredOutputs | None = request.structured_outputs
     from_format = _response_format(request)
     if structured is None:
@@ -36,7 +35,8 @@ def constraint(request: Any) -> dict[str, Any]:
     return _structured(structured)
 
 
-def _refuse_legacy(request: Any) -> None:
+def refuse_legacy(request: Any) -> None:
+    """The removed ``guided_*`` fields: a 400 that says what to send instead."""
     for name in LEGACY_FIELDS:
         if getattr(request, name, None) is not None:
             raise UnsupportedParameter(

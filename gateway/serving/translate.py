@@ -13,7 +13,7 @@ from gateway.dispatch.plan import ChoiceSpec
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.vllm_schemas import TokenizeChatRequest
 from gateway.serving import prompts
-from gateway.serving.structured import constraint
+from gateway.serving.structured import constraint, refuse_legacy
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
     """Known OpenAI fields whose meaning this server cannot honour are a 400, not ignored:
     a client that asked for tool calls must not mistake a plain answer for one."""
+    refuse_legacy(request)
     if request.use_beam_search:
         raise UnsupportedParameter(
             "beam search is not supported (the engine path streams one sequence per choice)",
