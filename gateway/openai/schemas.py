@@ -107,7 +107,8 @@ class StructuredOutputs(_Lenient):
     """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): exactly one of
     ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag``."""
 
-    json_: dict[str, Any] | Constraint | None = Field(None, alias="json")
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    """A JSON schema, as an object or as JSON text (capped as response_format's)."""
     regex: Constraint | None = None
     choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: Constraint | None = None
