@@ -63,11 +63,37 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     """``json_schema`` is stored once per request, apart from its jobs (in Redis under
     ``names.json_schema(request_id)``, see shared/queue/job_queue.py): the job stream
     carries the job without it, and the job queue fills it in when a worker reads the job."""
+    regex: str | None = None
+    """A regular expression (xgrammar's dialect) the output must match."""
+    choice: tuple[str, ...] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A grammar (EBNF, or Lark) the output must follow."""
+    structural_tag: str | None = None
+    """An xgrammar structural tag (JSON text)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled."""
+    cache_salt: str | None = None
+    """The prompt shares prefix-cache entries only with prompts of the same salt."""
 
 
 def is_guided(sampling: SamplingOptions) -> bool:
     """Structured output: a grammar constrains every token."""
-    return sampling.json_schema is not None or sampling.json_object or sampling.json_schema_stored
+    return (
+        sampling.json_schema is not None
+        or sampling.json_object
+        or sampling.json_schema_stored
+        or constraint_kind(sampling) is not None
+    )
+
+
+def constraint_kind(sampling: SamplingOptions) -> str | None:
+    """The grammar constraint beyond JSON (``regex``, ``choice``, ``grammar`` or
+    ``structural_tag``) that ``sampling`` carries, if any."""
+    for kind in ("regex", "choice", "grammar", "structural_tag"):
+        if getattr(sampling, kind) is not None:
+            return kind
+    return None
 
 
 def without_stored_schema(job: Job) -> Job:

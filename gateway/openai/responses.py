@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,13 +61,29 @@ class ResponseWriter:
     chunk_object_name = ""
 
     def __init__(
-        self, request_id: str, model: str, *, with_logprobs: bool, with_token_ids: bool = False
+        self,
+        request_id: str,
+        model: str,
+        *,
+        with_logprobs: bool,
+        with_token_ids: bool = False,
+        prompt_token_ids: Mapping[int, list[int]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.with_logprobs = with_logprobs
         self.with_token_ids = with_token_ids
+        self.prompt_token_ids = prompt_token_ids or {}
+        """Each choice's prompt (``with_token_ids``: vLLM's ``prompt_token_ids`` fields)."""
+        self._prompt_sent: set[int] = set()
+
+    def prompt_once(self, index: int) -> list[int] | None:
+        """Choice ``index``'s prompt ids the first time a stream asks (token ids wanted)."""
+        if not self.with_token_ids or index in self._prompt_sent:
+            return None
+        self._prompt_sent.add(index)
+        return self.prompt_token_ids.get(index)
 
     def _envelope(self, obj: str, choices: list[Json]) -> Json:
         return {
@@ -130,16 +147,36 @@ class ChatWriter(ResponseWriter):
         *,
         with_logprobs: bool,
         with_token_ids: bool = False,
+        prompt_token_ids: Mapping[int, list[int]] | None = None,
         output: OutputParser | None = None,
     ) -> None:
         super().__init__(
-            request_id, model, with_logprobs=with_logprobs, with_token_ids=with_token_ids
+            request_id,
+            model,
+            with_logprobs=with_logprobs,
+            with_token_ids=with_token_ids,
+            prompt_token_ids=prompt_token_ids,
         )
         self._parser = output
         self._outputs: dict[int, ChoiceOutput] = {}
 
     def start_chunk(self, index: int) -> Json:
-        return self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
+        """The role chunk; the stream's first one carries the prompt ids (vLLM: one chat
+        prompt per request, sent once)."""
+        body = self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
+        if self.with_token_ids and not self._prompt_sent:
+            self._prompt_sent.add(index)
+            body["prompt_token_ids"] = self._prompt()
+        return body
+
+    def response(self, choices: list[ChoiceState], usage: Usage) -> Json:
+        body = super().response(choices, usage)
+        if self.with_token_ids:
+            body["prompt_token_ids"] = self._prompt()
+        return body
+
+    def _prompt(self) -> list[int] | None:
+        return next(iter(self.prompt_token_ids.values()), None)
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
         logprobs = _chat_logprobs(event.logprobs or []) if self.with_logprobs else None
@@ -184,10 +221,20 @@ class CompletionWriter(ResponseWriter):
     chunk_object_name = "text_completion"
 
     def __init__(
-        self, request_id: str, model: str, *, with_logprobs: bool, with_token_ids: bool = False
+        self,
+        request_id: str,
+        model: str,
+        *,
+        with_logprobs: bool,
+        with_token_ids: bool = False,
+        prompt_token_ids: Mapping[int, list[int]] | None = None,
     ) -> None:
         super().__init__(
-            request_id, model, with_logprobs=with_logprobs, with_token_ids=with_token_ids
+            request_id,
+            model,
+            with_logprobs=with_logprobs,
+            with_token_ids=with_token_ids,
+            prompt_token_ids=prompt_token_ids,
         )
         self._text_offsets: dict[int, int] = {}
 
@@ -197,14 +244,21 @@ class CompletionWriter(ResponseWriter):
             start = self._text_offsets.get(event.index, 0)
             logprobs = _text_logprobs(event.logprobs or [], start)
             self._text_offsets[event.index] = start + len(event.text)
-        return self.chunk([_text_choice(event.index, event.text, logprobs, None)])
+        choice = _text_choice(event.index, event.text, logprobs, None)
+        prompt = self.prompt_once(event.index)
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        return self.chunk([choice])
 
     def finish_chunk(self, index: int, finish_reason: str) -> Json:
         return self.chunk([_text_choice(index, "", None, finish_reason)])
 
     def final_choice(self, choice: ChoiceState) -> Json:
         logprobs = _text_logprobs(choice.logprobs, 0) if self.with_logprobs else None
-        return _text_choice(choice.index, "".join(choice.text), logprobs, choice.finish_reason)
+        body = _text_choice(choice.index, "".join(choice.text), logprobs, choice.finish_reason)
+        if self.with_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids.get(choice.index)
+        return body
 
 
 def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | None) -> Json:

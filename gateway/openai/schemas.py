@@ -27,6 +27,12 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300
 """Entries of ``logit_bias`` (each costs the sampler work on every step)."""
 LOGIT_BIAS_RANGE = 100.0
+MAX_TOKEN_ID_LIST = 1024
+"""Entries of ``stop_token_ids`` and ``allowed_token_ids``."""
+MAX_CONSTRAINT_CHARS = 16 * 1024
+"""A ``structured_outputs`` regex, grammar or structural tag, or all its choices together:
+each job of the request carries it (``n`` copies on the job stream)."""
+MAX_CHOICES = 256
 _INT32_MAX = 2**31 - 1
 
 
@@ -44,6 +50,21 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def _cache_salt(salt: str) -> str:
+    """vLLM's rule (``validate_cache_salt``): non-empty, at most 128 characters, none of
+    ``@ / \\`` or NUL."""
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN & set(salt):
+        raise ValueError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+            "characters without '@', '/', '\\' or NUL"
+        )
+    return salt
+
+
 StopSequence = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 
@@ -54,6 +75,8 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: usage on every chunk (with ``include_usage``)."""
 
 
 class JsonSchemaSpec(_Lenient):
@@ -72,6 +95,53 @@ class ResponseFormat(_Lenient):
         if self.type == "json_schema" and missing:
             raise ValueError("response_format of type json_schema needs json_schema.schema")
         return self
+
+
+Constraint = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+TokenIds = Annotated[
+    list[Annotated[int, Field(ge=0, le=_INT32_MAX)]], Field(max_length=MAX_TOKEN_ID_LIST)
+]
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag``."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    """A JSON schema, as an object or as JSON text (capped as response_format's)."""
+    regex: Constraint | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: Constraint | None = None
+    json_object: bool | None = None
+    structural_tag: Constraint | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        kinds = [name for name in CONSTRAINT_KINDS if self.kind_value(name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag (got {', '.join(kinds) or 'none'})"
+            )
+        if self.regex is not None and "\x00" in self.regex:
+            raise ValueError("structured_outputs.regex must not contain a NUL character")
+        if self.choice is not None and sum(len(c) for c in self.choice) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(
+                f"structured_outputs.choice holds over {MAX_CONSTRAINT_CHARS} characters"
+            )
+        return self
+
+    def kind_value(self, name: str) -> Any:
+        return self.json_ if name == "json" else getattr(self, name)
+
+    def kind(self) -> str:
+        return next(n for n in CONSTRAINT_KINDS if self.kind_value(n) not in (None, False))
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 class TextPart(_Lenient):
@@ -179,6 +249,22 @@ class SamplingFields(_Lenient):
     min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
     return_token_ids: bool = False
     """Extension (as in vLLM's server): each choice carries its generated token ids."""
+    structured_outputs: StructuredOutputs | None = None
+    stop_token_ids: TokenIds | None = None
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    """Keep only N prompt tokens (-1: the model's context window), as vLLM."""
+    truncation_side: Literal["left", "right"] | None = None
+    """``left`` (default) keeps the last N tokens, ``right`` the first N."""
+    use_beam_search: bool = False
+    cache_salt: Annotated[Text, AfterValidator(_cache_salt)] | None = None
+    """Isolates the request's prefix-cache entries: only requests with the same salt share
+    them (vLLM's rule for the value)."""
+    # Removed from vLLM (its server now ignores them with a warning): refused here.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     user: Text | None = None
 
     @model_validator(mode="after")
@@ -194,6 +280,11 @@ class SamplingFields(_Lenient):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: ``continuous_usage_stats`` counts only with ``include_usage``."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -65,13 +65,24 @@ async def stream_events(
     choices_per_prompt: int,
     include_usage: bool,
     keepalive_s: float,
+    prompt_tokens: dict[int, int] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments."""
+    """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments.
+    ``prompt_tokens`` (each choice's prompt length) asks for vLLM's continuous usage:
+    every chunk carries its choice's usage so far."""
     usage = Usage(choices_per_prompt)
     single = len(indices) == 1
+    generated = dict.fromkeys(indices, 0)
 
-    def with_usage(body: Json) -> Json:
-        if include_usage:
+    def with_usage(body: Json, index: int) -> Json:
+        if prompt_tokens is not None:
+            prompt = prompt_tokens[index]
+            body["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": generated[index],
+                "total_tokens": prompt + generated[index],
+            }
+        elif include_usage:
             body["usage"] = None
         return body
 
@@ -81,20 +92,24 @@ async def stream_events(
         for index in indices:
             start = fmt.start_chunk(index)
             if start is not None:
-                pending.append(sse_data(with_usage(start)))
+                pending.append(sse_data(with_usage(start, index)))
         async for event in handle.events(idle_timeout_s=keepalive_s):
             if event is None:
                 yield KEEPALIVE
                 continue
             event_id = str(event.seq) if single else f"{event.index}-{event.seq}"
             if isinstance(event, TokenEvent):
+                generated[event.index] += len(event.token_ids)
                 chunk = fmt.delta(event)
                 if chunk is not None:  # None: held back (a tool-call tag not yet complete)
-                    pending.append(sse_data(with_usage(chunk), event_id))
+                    pending.append(sse_data(with_usage(chunk, event.index), event_id))
             elif isinstance(event, FinishEvent):
                 usage.add(event)
+                generated[event.index] = event.completion_tokens
+                if prompt_tokens is not None:
+                    prompt_tokens[event.index] = event.prompt_tokens  # the engine's count
                 chunk = fmt.finish_chunk(event.index, event.finish_reason)
-                pending.append(sse_data(with_usage(chunk), event_id))
+                pending.append(sse_data(with_usage(chunk, event.index), event_id))
             elif isinstance(event, ErrorEvent):
                 pending.append(sse_data(RemoteError(event).to_openai(), event_id))
                 pending.append(DONE)

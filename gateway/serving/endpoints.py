@@ -90,6 +90,7 @@ async def chat_completions(
         plan.model,
         with_logprobs=body.logprobs,
         with_token_ids=body.return_token_ids,
+        prompt_token_ids=_prompts(plan),
         output=parser,
     )
     return await _generate(state, plan, body, fmt, receive)
@@ -104,6 +105,7 @@ async def completions(
         plan.model,
         with_logprobs=body.logprobs is not None,
         with_token_ids=body.return_token_ids,
+        prompt_token_ids=_prompts(plan),
     )
     return await _generate(state, plan, body, fmt, receive)
 
@@ -239,12 +241,24 @@ async def _generate(
             choices_per_prompt=body.n,
             include_usage=body.include_usage(),
             keepalive_s=state.settings.sse_keepalive_s,
+            prompt_tokens=_prompt_tokens(plan) if body.continuous_usage() else None,
         )
         return EventStreamResponse(events, handle)  # the response owns the handle now
     async with handle:
         work = collect_response(handle, fmt, indices=indices, choices_per_prompt=body.n)
         result = await unless_disconnected(work, receive)
     return _json_answer(result, handle)
+
+
+def _prompt_tokens(plan: RequestPlan[Generation]) -> dict[int, int]:
+    """Each choice's prompt length, for continuous usage until the engine reports its own
+    (a vision prompt's images count as their one placeholder token each until then)."""
+    return {index: len(prompt) for index, prompt in _prompts(plan).items()}
+
+
+def _prompts(plan: RequestPlan[Generation]) -> dict[int, list[int]]:
+    """Each choice's prompt token ids (as sent: an image is its one placeholder token)."""
+    return {choice.index: choice.prompt_token_ids for choice in plan.work.choices}
 
 
 def _json_answer(result: Json | None, handle: RequestHandle) -> Response:

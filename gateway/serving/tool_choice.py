@@ -87,6 +87,12 @@ def plan_tools(request: ChatCompletionRequest, model: ServedModel) -> ToolPlan:
     rendered = template_tools(tools)
     if choice == "auto":
         return _auto(model, rendered)
+    if request.structured_outputs is not None:
+        raise InvalidRequest(
+            "structured_outputs cannot be combined with a required or named tool_choice "
+            "(both constrain the whole output)",
+            param="structured_outputs",
+        )
     if request.response_format is not None and request.response_format.type != "text":
         raise InvalidRequest(
             "response_format cannot be combined with a required or named tool_choice (both "

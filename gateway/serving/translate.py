@@ -13,17 +13,22 @@ from gateway.dispatch.plan import ChoiceSpec
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.vllm_schemas import TokenizeChatRequest
 from gateway.serving import prompts
-from gateway.serving.tool_choice import check_schema
+from gateway.serving.structured import constraint, refuse_legacy
 from shared.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from shared.protocol import SamplingOptions
 
 log = logging.getLogger(__name__)
-SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
     """Known OpenAI fields whose meaning this server cannot honour are a 400, not ignored:
     a client that asked for tool calls must not mistake a plain answer for one."""
+    refuse_legacy(request)
+    if request.use_beam_search:
+        raise UnsupportedParameter(
+            "beam search is not supported (the engine path streams one sequence per choice)",
+            param="use_beam_search",
+        )
     if isinstance(request, ChatCompletionRequest):
         _refuse_chat_features(request, model.name)
     elif isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
@@ -139,14 +144,18 @@ def choices(
 ) -> list[ChoiceSpec]:
     """``n`` choices per prompt, indexed the way OpenAI numbers them."""
     bias = logit_bias(request, model)
-    structured = structured_output(request)
+    structured = constraint(request)
+    token_ids = _token_ids(request, model)
     specs = []
-    for prompt_index, prompt in enumerate(prompts):
+    for prompt_index, whole in enumerate(prompts):
+        prompt = truncated(request, whole, model.max_model_len)
         max_tokens = _max_tokens(request, len(prompt), model.max_model_len)
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             seed = None if request.seed is None else request.seed + sample
-            options = sampling_options(request, max_tokens, seed, logprobs, bias, structured)
+            options = sampling_options(
+                request, max_tokens, seed, logprobs, bias, structured, **token_ids
+            )
             specs.append(ChoiceSpec(index, prompt, options))
     return specs
 
@@ -157,6 +166,37 @@ def logit_bias(request: SamplingFields, model: ServedModel) -> dict[int, float] 
         return None
     prompts.check_vocabulary(request.logit_bias, model, "logit_bias")
     return dict(request.logit_bias)
+
+
+def _token_ids(request: SamplingFields, model: ServedModel) -> dict[str, Any]:
+    """``stop_token_ids`` and ``allowed_token_ids``, checked against the vocabulary."""
+    fields: dict[str, Any] = {}
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(request, name)
+        if ids:
+            prompts.check_vocabulary(ids, model, name)
+            fields[name] = tuple(ids)
+    return fields
+
+
+def truncated(request: SamplingFields, prompt: list[int], max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep N tokens of the prompt (the last N, or the
+    first with ``truncation_side: right``); -1 keeps what the context window leaves
+    beside ``max_tokens`` (or one token)."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = max(max_model_len - (request.token_budget() or 1), 0)  # type: ignore[attr-defined]
+    elif keep > max_model_len:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens ({keep}) is more than this model's maximum context "
+            f"length ({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    if len(prompt) <= keep:
+        return prompt
+    return prompt[:keep] if request.truncation_side == "right" else prompt[len(prompt) - keep :]
 
 
 def _max_tokens(request: SamplingFields, prompt_len: int, max_model_len: int) -> int:
@@ -198,9 +238,11 @@ def sampling_options(
     seed: int | None,
     logprobs: int | None,
     logit_bias: dict[int, float] | None = None,
-    structured: tuple[str | None, bool] | None = None,
+    structured: dict[str, Any] | None = None,
+    **token_ids: Any,
 ) -> SamplingOptions:
-    json_schema, json_object = structured or structured_output(request)
+    """One choice's SamplingOptions; ``structured`` is :func:`constraint`'s answer and
+    ``token_ids`` the checked ``stop_token_ids`` / ``allowed_token_ids``."""
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -215,24 +257,11 @@ def sampling_options(
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         logprobs=logprobs,
-        json_schema=json_schema,
-        json_object=json_object,
         logit_bias=logit_bias,
+        cache_salt=request.cache_salt,
+        **(constraint(request) if structured is None else structured),
+        **token_ids,
     )
-
-
-def structured_output(request: SamplingFields) -> tuple[str | None, bool]:
-    """The ``response_format`` JSON schema (serialized and capped, once per request) and
-    whether the output is any JSON object."""
-    response_format = request.response_format
-    if response_format is None or response_format.type == "text":
-        return None, False
-    if response_format.type == "json_object":
-        return None, True
-    spec = response_format.json_schema
-    if spec is None or not spec.schema_:
-        raise InvalidRequest("json_schema.schema is required", param="response_format")
-    return check_schema(spec.schema_, SCHEMA_PARAM), False
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import httpx
 import openai
@@ -270,3 +272,123 @@ def test_logit_bias_reaches_the_sampler(running: Running) -> None:
     banned = _greedy_ids(running, logit_bias={str(plain[0]): -100})
     assert banned[0] != plain[0]
     assert plain[0] not in banned
+
+
+@pytest.mark.parametrize(
+    ("structured", "conforms"),
+    [
+        ({"choice": ["alpha", "beta"]}, lambda text: text in ("alpha", "beta")),
+        ({"regex": r"[a-z]{3}-\d{2}"}, lambda text: re.fullmatch(r"[a-z]{3}-\d{2}", text)),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in ("yes", "no")),
+        ({"grammar": 'start: "up" | "down"'}, lambda text: text in ("up", "down")),
+    ],
+)
+def test_structured_outputs_conform(
+    client: openai.OpenAI, running: Running, structured: dict[str, object], conforms: Any
+) -> None:
+    result = client.chat.completions.create(
+        model=running.model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=1.0,
+        n=2,
+        extra_body={"structured_outputs": structured},
+    )
+    for choice in result.choices:
+        assert conforms(choice.message.content or ""), choice.message.content
+        assert choice.finish_reason == "stop"
+
+
+def test_structured_regex_streams_conforming_text(client: openai.OpenAI, running: Running) -> None:
+    chunks = client.completions.create(
+        model=running.model,
+        prompt="The code is",
+        max_tokens=20,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": r"\d{4}"}},
+    )
+    assert re.fullmatch(r"\d{4}", "".join(c.choices[0].text for c in chunks if c.choices))
+
+
+@pytest.mark.parametrize(
+    ("structured", "param"),
+    [
+        ({"regex": "(unclosed"}, "structured_outputs.regex"),
+        ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+        ({"grammar": "not a grammar at all"}, "structured_outputs.grammar"),
+    ],
+)
+def test_invalid_structured_outputs_are_400s(
+    client: openai.OpenAI, running: Running, structured: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=running.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"structured_outputs": structured},
+        )
+    assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_an_invalid_grammar_in_a_stream_is_an_error_event(
+    client: openai.OpenAI, running: Running
+) -> None:
+    """The worker checks the grammar: a stream has sent its 200 by then (as for every
+    worker-side error), so the 400 arrives as the stream's error event."""
+    stream = client.chat.completions.create(
+        model=running.model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=4,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": "(unclosed"}},
+    )
+    with pytest.raises(openai.APIError) as caught:
+        list(stream)
+    assert caught.value.body["param"] == "structured_outputs.regex"  # type: ignore[index]
+    assert caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_allowed_and_stop_token_ids_reach_the_sampler(running: Running) -> None:
+    allowed = [300, 301, 302]
+    ids = _greedy_ids(running, allowed_token_ids=allowed, ignore_eos=True)
+    assert ids and set(ids) <= set(allowed)
+    plain = _greedy_ids(running, ignore_eos=True)
+    stopped = _greedy_ids(running, stop_token_ids=[plain[2]], ignore_eos=True)
+    assert stopped[-1] == plain[2] and len(stopped) <= 3
+
+
+def test_continuous_usage_counts_every_chunk(client: openai.OpenAI, running: Running) -> None:
+    chunks = list(
+        client.completions.create(
+            model=running.model,
+            prompt="The river",
+            max_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_return_token_ids_and_cache_salt(running: Running) -> None:
+    prompt = [20, 21, 22, 23]
+    response = httpx.post(
+        f"{running.base_url}/v1/completions",
+        json={
+            "model": running.model,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "return_token_ids": True,
+            "cache_salt": "tenant-a",
+        },
+        timeout=120,
+    )
+    response.raise_for_status()
+    [choice] = response.json()["choices"]
+    assert choice["prompt_token_ids"] == prompt
+    assert len(choice["token_ids"]) == 4

@@ -99,6 +99,75 @@ async def test_n_prompts_times_n_choices_with_usage_counting_each_prompt_once(
     }
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_continuous_usage_puts_each_choices_usage_so_far_on_every_chunk(
+    gateway: LiveGateway, path: str
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**BODIES[path], "n": 2, "max_tokens": 3, "stream": True, "stream_options": options}
+    response = await gateway.client.post(path, json=body)
+    *chunks, usage_chunk, done = events(response.text)
+    assert done.data == DONE
+    [job, _] = gateway.workers[0].generate_jobs()
+    prompt = len(job.prompt_token_ids)
+    seen = {0: 0, 1: 0}
+    for chunk in chunks:
+        [choice] = chunk.data["choices"]
+        index = choice["index"]
+        generated = (
+            3 if choice.get("finish_reason") else (0 if chunk.id is None else seen[index] + 1)
+        )
+        seen[index] = generated
+        assert chunk.data["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+        }, chunk
+    assert seen == {0: 3, 1: 3}
+    assert usage_chunk.data["usage"]["completion_tokens"] == 6
+
+
+async def test_continuous_usage_needs_include_usage(gateway: LiveGateway) -> None:
+    options = {"continuous_usage_stats": True}
+    response = await gateway.client.post(CHAT, json=chat(stream_options=options, **STREAM))
+    assert all("usage" not in item.data for item in events(response.text)[:-1])
+
+
+async def test_return_token_ids_gives_vllms_prompt_and_completion_ids(
+    gateway: LiveGateway,
+) -> None:
+    chat_body = chat(max_tokens=2, n=2, return_token_ids=True)
+    answer = (await gateway.client.post(CHAT, json=chat_body)).json()
+    [job, _] = gateway.workers[0].generate_jobs()
+    assert answer["prompt_token_ids"] == job.prompt_token_ids
+    assert [c["token_ids"] for c in answer["choices"]] == [[7, 7], [7, 7]]
+    streamed = events((await gateway.client.post(CHAT, json={**chat_body, **STREAM})).text)
+    assert [item.data.get("prompt_token_ids") for item in streamed[:3]] == [
+        job.prompt_token_ids,
+        None,
+        None,
+    ]
+    text_body = {**BODIES[COMPLETIONS], "prompt": [[5, 6], [8]], "max_tokens": 2}
+    text = (
+        await gateway.client.post(COMPLETIONS, json={**text_body, "return_token_ids": True})
+    ).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in text["choices"]] == [
+        ([5, 6], [7, 7]),
+        ([8], [7, 7]),
+    ]
+    stream = {**text_body, "return_token_ids": True, **STREAM}
+    chunks = [
+        item.data
+        for item in events((await gateway.client.post(COMPLETIONS, json=stream)).text)[:-1]
+    ]
+    firsts = [
+        c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]
+    ]
+    assert sorted(firsts) == [[5, 6], [8]]
+    plain = (await gateway.client.post(COMPLETIONS, json=text_body)).json()
+    assert "prompt_token_ids" not in plain["choices"][0]
+
+
 async def test_n_choices_non_stream_come_in_index_order(gateway: LiveGateway) -> None:
     response = await gateway.client.post(CHAT, json=chat(n=3, max_tokens=1, temperature=1.0))
     choices = response.json()["choices"]

@@ -399,7 +399,41 @@ FIELD_DESTINATIONS = {
     "skip_special_tokens": "sampling_params.skip_special_tokens",
     "logit_bias": "sampling_params.logit_bias",
     "json_schema_stored": "filled into json_schema by the job queue (no engine field)",
+    "regex": "constraint: sampling_params.regex",
+    "choice": "refused: no SGLang counterpart",
+    "grammar": "constraint: sampling_params.ebnf",
+    "structural_tag": "constraint: sampling_params.structural_tag",
+    "allowed_token_ids": "refused: no SGLang counterpart",
+    "cache_salt": "refused: no SGLang counterpart",
 }
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "destination"),
+    [
+        ("regex", "[a-z]+", "regex"),
+        ("grammar", 'root ::= "yes" | "no"', "ebnf"),
+        ("structural_tag", '{"type": "structural_tag"}', "structural_tag"),
+    ],
+)
+def test_constraints_beyond_json(kind: str, value: str, destination: str) -> None:
+    params = sampling_params(SamplingOptions(max_tokens=4, **{kind: value}))
+    assert params[destination] == value
+    assert "json_schema" not in params
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("choice", ("a", "b"), "structured_outputs.choice"),
+        ("allowed_token_ids", (1, 2), "allowed_token_ids"),
+        ("cache_salt", "tenant-a", "cache_salt"),
+    ],
+)
+def test_fields_without_a_counterpart_are_400(field: str, value: object, param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        sampling_params(SamplingOptions(max_tokens=4, **{field: value}))
+    assert caught.value.param == param
 
 
 def test_every_sampling_option_has_a_destination() -> None:

@@ -50,6 +50,7 @@ EVERY_FIELD = SamplingOptions(
     logprobs=3,
     skip_special_tokens=False,
     logit_bias={5: 10.0, 6: -100.0},
+    allowed_token_ids=(5, 6, 7),
 )
 
 
@@ -64,6 +65,7 @@ def test_every_sampling_option_reaches_sampling_params() -> None:
         assert getattr(params, name) == getattr(EVERY_FIELD, name), name
     assert params.stop == ["END", "\n\n"]
     assert params.stop_token_ids == [2, 3]
+    assert params.allowed_token_ids == [5, 6, 7]
     assert params.structured_outputs is None
     assert params.extra_args is None
 
@@ -81,6 +83,48 @@ def test_structured_outputs() -> None:
     assert by_schema.structured_outputs.json == schema
     any_json = sampling_params(SamplingOptions(max_tokens=3, json_object=True))
     assert any_json.structured_outputs.json_object is True
+
+
+TAG = json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "<ok>"}})
+
+
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        ("regex", r"\d{3}-[a-z]+"),
+        ("grammar", 'root ::= "yes" | "no"'),
+        ("grammar", 'start: "yes" | "no"'),
+        ("structural_tag", TAG),
+    ],
+)
+def test_constraints_beyond_json(kind: str, value: str) -> None:
+    params = sampling_params(SamplingOptions(max_tokens=3, **{kind: value}))
+    assert getattr(params.structured_outputs, kind) == value
+
+
+def test_choice_is_checked_as_vllm_does_it_a_grammar() -> None:
+    params = sampling_params(SamplingOptions(max_tokens=3, choice=("yes", "no")))
+    structured = params.structured_outputs
+    assert structured.choice is None  # vLLM's own check rewrites choices as a grammar
+    assert "yes" in structured.grammar
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "param"),
+    [
+        ("regex", "(unclosed", "structured_outputs.regex"),
+        ("grammar", "root ::= ", "structured_outputs.grammar"),
+        ("grammar", "this is not a grammar", "structured_outputs.grammar"),
+        ("structural_tag", '{"type": "nonsense"}', "structured_outputs.structural_tag"),
+        ("json_schema", '{"type": "integer", "minimum": "x"}', None),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(
+    kind: str, value: str, param: str | None
+) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        sampling_params(SamplingOptions(max_tokens=3, **{kind: value}))
+    assert (caught.value.status, caught.value.param) == (400, param)
 
 
 def test_kv_transfer_params_ride_in_extra_args() -> None:
@@ -105,6 +149,11 @@ def test_values_vllm_refuses_are_the_requests_fault(field: str, value: float) ->
 
 def test_a_text_prompt_is_its_token_ids() -> None:
     assert tokens_prompt([1, 2, 3], None, None) == {"prompt_token_ids": [1, 2, 3]}
+
+
+def test_a_cache_salt_rides_on_the_prompt() -> None:
+    prompt = tokens_prompt([1, 2], None, None, "tenant-a")
+    assert prompt == {"prompt_token_ids": [1, 2], "cache_salt": "tenant-a"}
 
 
 def test_raw_images_go_along_decoded() -> None:

@@ -145,8 +145,11 @@ class FakeEngine:
             raise InvalidRequest("this model does not take images")
         if is_guided(sampling):
             raise InvalidRequest(
-                "the fake engine does not do structured output (json_schema, json_object)"
+                "the fake engine does not do structured output (json_schema, json_object, "
+                "regex, choice, grammar, structural_tag)"
             )
+        if sampling.allowed_token_ids is not None:
+            raise InvalidRequest("the fake engine does not do allowed_token_ids")
         if not prompt:
             raise InvalidRequest("the prompt cannot be empty")
         if len(prompt) > self.info.max_model_len:

@@ -56,8 +56,11 @@ def generate_request(
 def sampling_params(options: SamplingOptions) -> dict[str, Any]:
     """SGLang ``sampling_params`` (``sglang.srt.sampling.sampling_params.SamplingParams``).
 
-    ``prompt_logprobs`` is not supported (prompt logprobs never reach :class:`StepOutput`).
+    ``prompt_logprobs`` is not supported (prompt logprobs never reach :class:`StepOutput`);
+    ``choice``, ``allowed_token_ids`` and ``cache_salt`` have no SGLang counterpart: a 400
+    (a salt ignored would share the prefix cache its client asked to keep apart).
     """
+    _refuse_unsupported(options)
     params: dict[str, Any] = {
         "max_new_tokens": options.max_tokens,
         "min_new_tokens": options.min_tokens,
@@ -79,11 +82,24 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
         params["json_schema"] = options.json_schema
     elif options.json_object:
         params["json_schema"] = JSON_OBJECT_SCHEMA
+    elif options.regex is not None:
+        params["regex"] = options.regex
+    elif options.grammar is not None:
+        params["ebnf"] = options.grammar
+    elif options.structural_tag is not None:
+        params["structural_tag"] = options.structural_tag
     if options.seed is not None:
         params["sampling_seed"] = options.seed
     if options.logit_bias:
         params["logit_bias"] = {str(token): bias for token, bias in options.logit_bias.items()}
     return params
+
+
+def _refuse_unsupported(options: SamplingOptions) -> None:
+    for name in ("choice", "allowed_token_ids", "cache_salt"):
+        if getattr(options, name) is not None:
+            param = "structured_outputs.choice" if name == "choice" else name
+            raise InvalidRequest(f"the SGLang backend of Conveyor does not do {param}", param=param)
 
 
 def prefill_options(options: SamplingOptions) -> SamplingOptions:

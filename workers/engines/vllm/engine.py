@@ -91,13 +91,18 @@ class VllmEngine:
         lora_request = lora.lora_request(self.adapters, adapter)
         with vllm_errors("generation"):
             stream = self._llm.generate(
-                self._prompt(prompt_token_ids, images), params, job_id, lora_request=lora_request
+                self._prompt(prompt_token_ids, images, sampling.cache_salt),
+                params,
+                job_id,
+                lora_request=lora_request,
             )
             async for output in stream:
                 yield step_output(output, prompt_token_ids, sampling.logprobs)
 
-    def _prompt(self, prompt_token_ids: list[int], images: PromptImages | None) -> Any:
-        return tokens_prompt(prompt_token_ids, images, self._vision_family)
+    def _prompt(
+        self, prompt_token_ids: list[int], images: PromptImages | None, salt: str | None = None
+    ) -> Any:
+        return tokens_prompt(prompt_token_ids, images, self._vision_family, salt)
 
     def plan_handoff(self, job_id: str) -> Handoff | None:
         return None  # vLLM's kv_transfer_params exist only once prefill has run
@@ -118,7 +123,9 @@ class VllmEngine:
         )
         result: Handoff | None = None
         with vllm_errors("prefill"):
-            stream = self._llm.generate(self._prompt(prompt_token_ids, images), params, job_id)
+            stream = self._llm.generate(
+                self._prompt(prompt_token_ids, images, sampling.cache_salt), params, job_id
+            )
             async for output in stream:
                 if output.kv_transfer_params is not None:
                     result = dict(output.kv_transfer_params)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shared.errors import EngineDead, EngineError, InvalidRequest
-from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
+from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob, constraint_kind
 from workers.engines.base import (
     Handoff,
     PromptImages,
@@ -60,20 +60,43 @@ def sampling_params(options: SamplingOptions, *, kv_transfer_params: Handoff | N
     400), not a crash."""
     with vllm_errors("sampling", invalid_prefix="invalid sampling parameters: "):
         params = _build_sampling_params(options)
+    _check_constraint(params, options)
     if kv_transfer_params is not None:
         params.extra_args = {"kv_transfer_params": kv_transfer_params}
     return params
 
 
+def _check_constraint(params: Any, options: SamplingOptions) -> None:
+    """The grammar checked by vLLM's own xgrammar check (the engine's backend), before the
+    engine sees it, so that a bad regex, grammar, choice list or schema is a 400 naming
+    its field. (vLLM runs the check again on admission; it is a parse, not a compile.)"""
+    if params.structured_outputs is None:
+        return
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    kind = constraint_kind(options)
+    param = None if kind is None else f"structured_outputs.{kind}"
+    with vllm_errors(
+        "structured outputs", param=param, invalid_prefix=f"invalid {param or 'JSON schema'}: "
+    ):
+        validate_xgrammar_grammar(params)
+
+
 def tokens_prompt(
-    prompt_token_ids: list[int], images: PromptImages | None, family: str | None
+    prompt_token_ids: list[int],
+    images: PromptImages | None,
+    family: str | None,
+    cache_salt: str | None = None,
 ) -> Any:
     """vLLM's TokensPrompt: token ids holding each image's single, unexpanded placeholder,
     plus the images (raw, or an encode worker's embeddings in the model ``family``'s
-    shape): vLLM expands the placeholders itself (expanded ids would be expanded again)."""
+    shape): vLLM expands the placeholders itself (expanded ids would be expanded again);
+    and the request's ``cache_salt``."""
     from vllm.inputs import TokensPrompt
 
     prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
     if images is None:
         return prompt
     if family is None:
@@ -114,6 +137,10 @@ def _build_sampling_params(options: SamplingOptions) -> Any:
         structured = StructuredOutputsParams(json=json.loads(options.json_schema))
     elif options.json_object:
         structured = StructuredOutputsParams(json_object=True)
+    elif (kind := constraint_kind(options)) is not None:
+        value: Any = getattr(options, kind)
+        value = list(value) if kind == "choice" else value
+        structured = StructuredOutputsParams(**{kind: value})
     return SamplingParams(
         n=1,
         max_tokens=options.max_tokens,
@@ -133,6 +160,9 @@ def _build_sampling_params(options: SamplingOptions) -> Any:
         skip_special_tokens=options.skip_special_tokens,
         logit_bias=options.logit_bias,
         structured_outputs=structured,
+        allowed_token_ids=None
+        if options.allowed_token_ids is None
+        else list(options.allowed_token_ids),
         output_kind=RequestOutputKind.DELTA,
     )
 
