@@ -154,7 +154,7 @@ def build_state(
     for all); the lifespan starts the cells' background tasks."""
     if model_redis is None:
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
     cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
     return GatewayState(
         metrics=metrics,

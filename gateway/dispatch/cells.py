@@ -27,6 +27,7 @@ from gateway.catalog.lora_watch import LoraWatch
 from gateway.catalog.served_models import ModelCatalog
 from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
 from gateway.dispatch.reply_router import ReplyRouter
+from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
 from shared.connections.model_redis import ModelRedis
 from shared.connections.url import shown_url
@@ -120,7 +121,7 @@ def build_cells(
     models: ModelRedis,
     catalog: ModelCatalog,
     gateway_id: str,
-    on_usage: Callable[[UsageRecord], None],
+    on_usage: Callable[[UsageRecord, RequestTally], None],
 ) -> RedisCells:
     """One cell per distinct Redis of ``models``; the home one keeps the control plane."""
 
@@ -144,7 +145,7 @@ def _cell(
     redis: aioredis.Redis,
     catalog: ModelCatalog,
     gateway_id: str,
-    on_usage: Callable[[UsageRecord], None],
+    on_usage: Callable[[UsageRecord, RequestTally], None],
     owns: Callable[[str], bool],
     name: str,
 ) -> Cell:

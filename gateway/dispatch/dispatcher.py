@@ -28,6 +28,7 @@ from gateway.dispatch.plan import AnyPlan, Embedding, Generation
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_accounting import RequestAccounting
 from gateway.dispatch.request_handle import RequestHandle
+from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
 from shared.connections.connect import db_of
 from shared.connections.retry import Backoff, retry
@@ -84,7 +85,7 @@ class Dispatcher:
         policy: AdmissionPolicy,
         *,
         images: ImageStore | None = None,
-        on_usage: Callable[[UsageRecord], None] = lambda record: None,
+        on_usage: Callable[[UsageRecord, RequestTally], None] = lambda record, tally: None,
     ) -> None:
         self._redis = redis
         self._images = images or ImageStore(redis)
@@ -96,9 +97,8 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._open_by_key: dict[str, set[str]] = {}
         """Each API key's open requests (to end them when the key is revoked)."""
-        self.accounting = RequestAccounting(
-            redis, names.gateway_of_reply_stream(router.stream), on_usage
-        )
+        self._on_usage = on_usage
+        self.accounting = RequestAccounting(redis, names.gateway_of_reply_stream(router.stream))
         self.drain = DrainMeter(redis)
         self.lost = LostAdmissions(
             redis, router, self.accounting.gateway_id, self._readmit, self._in_background
@@ -294,6 +294,7 @@ class Dispatcher:
                 self._open_by_key.pop(plan.key_id, None)
         record = handle.tally.record(plan, plan.key_id, cancelled=cancel)
         used = handle.tally.used_tokens()
+        self._on_usage(record, handle.tally)
         self._in_background(self.accounting.settle(plan, record, used))
 
     def end_requests_of(self, key_ids: Iterable[str], error: ConveyorError) -> int:

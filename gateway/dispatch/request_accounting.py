@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -39,13 +38,11 @@ class RequestAccounting:
         self,
         redis: aioredis.Redis,
         gateway_id: str,
-        on_usage: Callable[[UsageRecord], None] = lambda record: None,
     ) -> None:
         self.gateway_id = gateway_id
         self._limits = KeyLimitCounters(redis)
         self._open_requests = OpenRequests(redis)
         self._open_charges: dict[str, LimitCharge] = {}
-        self._on_usage = on_usage
         self._closes = GroupCommit(self._close_many)
 
     def opened_by(self, plan: AnyPlan) -> OpenedBy:
@@ -67,8 +64,6 @@ class RequestAccounting:
     async def settle(self, plan: AnyPlan, record: UsageRecord, used_tokens: int) -> None:
         """The request ended: limits settled, usage queued (run it in its own task)."""
         self._open_charges.pop(plan.request_id, None)
-        self._on_usage(record)
-
         charge = plan.charge
         try:
             if charge is not None:

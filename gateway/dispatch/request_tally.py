@@ -48,13 +48,15 @@ class RequestTally:
     finish_reasons: list[str] = field(default_factory=list)
     failed: bool = False
     migrations: int = 0
+    token_gaps_s: list[float] = field(default_factory=list)
+    """Time between one choice's token events (vLLM's inter-token latencies)."""
+    tokens_by_choice: dict[int, int] = field(default_factory=dict)
+    _last_token_unix: dict[int, float] = field(default_factory=dict)
 
     def note(self, event: Event) -> None:
         self.migrations = max(self.migrations, event.attempt)
         if isinstance(event, TokenEvent):
-            if self.first_token_unix is None:
-                self.first_token_unix = time.time()
-            self.completion_tokens += len(event.token_ids)
+            self._note_tokens(event)
         elif isinstance(event, FinishEvent):
             prompt = event.index // self.choices_per_prompt
             self.prompt_tokens_by_prompt[prompt] = event.prompt_tokens
@@ -65,6 +67,19 @@ class RequestTally:
             self.prompt_tokens_by_prompt[event.index] = event.prompt_tokens
         elif isinstance(event, ErrorEvent):
             self.failed = True
+
+    def _note_tokens(self, event: TokenEvent) -> None:
+        now = time.time()
+        if self.first_token_unix is None:
+            self.first_token_unix = now
+        last = self._last_token_unix.get(event.index)
+        if last is not None:
+            self.token_gaps_s.append(now - last)
+        self._last_token_unix[event.index] = now
+        self.completion_tokens += len(event.token_ids)
+        self.tokens_by_choice[event.index] = self.tokens_by_choice.get(event.index, 0) + len(
+            event.token_ids
+        )
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text format (gateway/metrics.py says what is in it).
+"""GET /metrics: Prometheus text format (gateway/metrics/ says what is in it).
 
 With auth on, it needs a key holding one of CONVEYOR_METRICS_SCOPES (default
 ``metrics,admin``); with auth off it is open, like every other route.

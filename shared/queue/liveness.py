@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.connections.url import sync_client
+from shared.engine_stats import EngineStats
 from shared.queue import names
 from shared.roles import Role
 
@@ -64,6 +65,9 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
     adapters_generation: int = 0
     """The generation of the desired adapters (shared/queue/lora_registry.py) this worker
     applied."""
+    engine_stats: EngineStats | None = None
+    """The engine's scheduler state and counters (shared/engine_stats.py); None for
+    engines that report none."""
 
 
 _decoder = msgspec.json.Decoder(WorkerRegistration)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.engine_stats import EngineStats
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
+from shared.roles import Role
 from tests.gateway.harness import BODIES, CHAT, EMBEDDINGS, LiveGateway, error_of
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -63,3 +66,59 @@ async def test_queue_depth_and_live_workers(gateway: LiveGateway) -> None:
     depth = ("conveyor_queue_depth", frozenset({("stream", "conveyor:jobs:tiny:aggregated")}))
     assert samples[depth] == 0
     assert value(samples, "conveyor_open_requests") == 0
+
+
+async def test_vllm_client_metrics_of_a_streamed_request(gateway: LiveGateway) -> None:
+    body = {**BODIES[CHAT], "max_tokens": 4, "stream": True}
+    response = await gateway.client.post(CHAT, json=body)
+    assert response.status_code == 200
+    samples = await scrape(gateway)
+    model = {"model_name": "tiny"}
+    assert value(samples, "vllm:time_to_first_token_seconds_count", **model) == 1
+    assert value(samples, "vllm:e2e_request_latency_seconds_count", **model) == 1
+    # One gap between each two of a choice's token events (the echo worker's: one token
+    # each), as vLLM observes one latency per token after the first.
+    assert value(samples, "vllm:inter_token_latency_seconds_count", **model) == 3
+    assert value(samples, "vllm:generation_tokens_total", **model) == 4
+    assert value(samples, "vllm:request_generation_tokens_sum", **model) == 4
+    prompt = value(samples, "vllm:prompt_tokens_total", **model)
+    assert prompt > 0
+    assert value(samples, "vllm:request_prompt_tokens_sum", **model) == prompt
+    assert value(samples, "vllm:request_success_total", **model, finished_reason="length") == 1
+    ttft_le = {**model, "le": "0.001"}  # vLLM's first TTFT bucket
+    assert ("vllm:time_to_first_token_seconds_bucket", frozenset(ttft_le.items())) in samples
+
+
+async def test_vllm_engine_metrics_come_from_the_heartbeats(gateway: LiveGateway) -> None:
+    cell = gateway.state.cells.for_model("tiny")
+    registry = WorkerRegistry(cell.redis, ttl_s=60)
+    stats = EngineStats(
+        running=3, waiting=2, kv_cache_usage=0.75, prefix_cache_queries=64,
+        prefix_cache_hits=32, preemptions=1, iteration_tokens=(0, 2) + (0,) * 12,
+        iteration_tokens_sum=10,
+    )  # fmt: skip
+    await registry.beat(
+        WorkerRegistration(
+            worker_id="w-stats",
+            role=Role.AGGREGATED,
+            model="tiny",
+            max_model_len=2048,
+            active=3,
+            slots=8,
+            engine_stats=stats,
+        )
+    )
+    await cell.directory.refresh()
+    samples = await scrape(gateway)
+    labels = {"model_name": "tiny", "worker": "w-stats"}
+    assert value(samples, "vllm:num_requests_running", **labels) == 3
+    assert value(samples, "vllm:num_requests_waiting", **labels) == 2
+    assert value(samples, "vllm:kv_cache_usage_perc", **labels) == 0.75
+    assert value(samples, "vllm:prefix_cache_queries_total", **labels) == 64
+    assert value(samples, "vllm:prefix_cache_hits_total", **labels) == 32
+    assert value(samples, "vllm:num_preemptions_total", **labels) == 1
+    assert value(samples, "vllm:iteration_tokens_total_count", **labels) == 2
+    assert value(samples, "vllm:iteration_tokens_total_bucket", **labels, le="8.0") == 2
+    # Workers whose engine reports nothing (the harness's) have no engine series.
+    running = [key for key in samples if key[0] == "vllm:num_requests_running"]
+    assert [dict(labels)["worker"] for _, labels in running] == ["w-stats"]

@@ -24,6 +24,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from shared.engine_stats import StatsRecorder
 from shared.protocol import ImageRef, SamplingOptions, TokenLogprob
 
 Handoff = dict[str, Any]
@@ -239,6 +240,15 @@ class ServesLoras(Protocol):
     def adapters_off(self) -> str:
         """Why ``adapters`` is None (what the worker reports for every adapter)."""
         ...
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """An engine that keeps vLLM's scheduler figures (shared/engine_stats.py) for the
+    heartbeat to publish."""
+
+    @property
+    def engine_stats(self) -> StatsRecorder: ...
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """A worker's health, as others see it and as it checks itself.
 
 * :class:`WorkerStatus` builds the registry entry (role, model, load, readiness,
-  KV and cache telemetry, LoRA adapters) that the heartbeat writes.
+  KV and cache telemetry, LoRA adapters, the engine's scheduler stats) that the heartbeat writes.
 * :class:`Heartbeat` keeps that entry alive: from a
   :class:`~shared.queue.liveness.HeartbeatThread` in production, from the event loop
   when there is none (tests on fakeredis).
@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from shared.errors import EngineDead
 from shared.queue.liveness import HeartbeatThread, WorkerRegistration, WorkerRegistry
 from shared.roles import Role
-from workers.engines.base import EngineBase
+from workers.engines.base import EngineBase, ReportsStats
 from workers.health.canary import Canary
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.roles.base import RoleParts
@@ -87,6 +87,9 @@ class WorkerStatus:
             embedding_cache=self._parts.cache_stats(),
             adapters={} if adapters is None else adapters.report(),
             adapters_generation=0 if adapters is None else adapters.generation,
+            engine_stats=(
+                engine.engine_stats.snapshot() if isinstance(engine, ReportsStats) else None
+            ),
         )
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from shared.engine_stats import StatsRecorder
 from shared.errors import EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, is_guided
 from shared.settings import Settings
@@ -213,6 +214,10 @@ class FakeEngine:
 
     def running(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    @property
+    def engine_stats(self) -> StatsRecorder:
+        return self.scheduler.recorder
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) sequences, as vLLM's scheduler stats report them."""

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shared.engine_stats import StatsRecorder
 from workers.engines.fake.events import KvEventPublisher
 from workers.engines.fake.kv_cache import KvCache
 from workers.engines.fake.sequence import Emitted, Sequence
@@ -86,6 +87,8 @@ class Scheduler:
         self.limits = limits
         self.clock: Clock = clock or WallClock()
         self.stats = StepStats()
+        self.recorder = StatsRecorder()
+        """vLLM's scheduler figures, for the fleet metrics (shared/engine_stats.py)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = asyncio.Event()
@@ -96,6 +99,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.prefill_end = len(seq.token_ids)
         self.waiting.append(seq)
+        self._record_state()
         self._wake.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="fake-engine")
@@ -110,6 +114,7 @@ class Scheduler:
             self.kv.release(seq.table)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._record_state()
         if reason is not None:
             seq.outputs.put_nowait(Emitted(None, None, reason))
 
@@ -143,6 +148,13 @@ class Scheduler:
         self.stats.prefill_tokens += plan.prefill_tokens
         self.apply(plan)
         self.events.flush()
+        self.recorder.step(sum(tokens for _, tokens in plan.batch))
+        self._record_state()
+
+    def _record_state(self) -> None:
+        self.recorder.scheduler(
+            running=len(self.running), waiting=len(self.waiting), kv_cache_usage=self.kv.usage()
+        )
 
     def plan(self) -> Plan:
         plan = Plan()
@@ -163,6 +175,7 @@ class Scheduler:
             if cached is None:
                 break
             self.waiting.popleft()
+            self.recorder.prefix_lookup(len(seq.token_ids), cached)
             seq.computed = cached
             if seq.cached_tokens is None:
                 seq.cached_tokens = cached
@@ -213,3 +226,4 @@ class Scheduler:
         seq.prefill_end = len(seq.token_ids)
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
+        self.recorder.preemptions += 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from shared.engine_stats import StatsRecorder
 from shared.errors import EngineError
 from shared.protocol import SamplingOptions
 from shared.settings import Role, Settings
@@ -35,6 +36,7 @@ from workers.engines.vllm.placement import (
     pin_process_tree,
     place_engine,
 )
+from workers.engines.vllm.stat_logger import prompt_stats_logger, stats_logger
 from workers.engines.vllm.translate import sampling_params, step_output, tokens_prompt, vllm_errors
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,19 @@ class VllmEngine:
         args = AsyncEngineArgs(
             **with_defaults(_default_args(settings, model_path, served_name), operator),
             kv_transfer_config=kv_transfer,
-            # Per-step stats cost CPU beside the engine on every token; only prefill/decode
-            # workers use them (prompt tokens computed vs transferred, NIXL transfer times).
+            # vLLM's default loggers stay off but for prefill/decode workers; the custom
+            # stat loggers below turn its per-step stats on for every worker.
             disable_log_stats=kv_transfer is None,
         )
         self.prompt_stats = PromptTokenStats()
+        self.engine_stats = StatsRecorder()
+        loggers = [stats_logger(self.engine_stats)]
+        if kv_transfer is not None:
+            loggers.append(prompt_stats_logger(self.prompt_stats))
         _start_quiet_resource_tracker()
-        self._llm = AsyncLLM.from_engine_args(
-            args,
-            stat_loggers=None if kv_transfer is None else [_prompt_stats_logger(self.prompt_stats)],
-        )
+        # A custom stat logger turns vLLM's per-step stats on (not its default loggers):
+        # the fleet metrics need running/waiting/KV usage from every engine.
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         if kv_transfer is not None and settings.pin_kv_engines:
             pin_process_tree(engine_cores(settings))
         config = self._llm.model_config
@@ -184,34 +189,6 @@ def _start_quiet_resource_tracker() -> None:
             del os.environ["PYTHONWARNINGS"]
         else:
             os.environ["PYTHONWARNINGS"] = previous
-
-
-def _prompt_stats_logger(stats: PromptTokenStats) -> Any:
-    """A vLLM stat logger that counts where prompt tokens came from."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class PromptStatsLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        def record(
-            self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any
-        ) -> None:
-            prompt = getattr(iteration_stats, "prompt_token_stats", None)
-            if prompt is not None and prompt.total:
-                stats.computed += int(prompt.computed)
-                stats.from_local_cache += int(prompt.local_cache_hit)
-                stats.transferred += int(prompt.external_kv_transfer)
-            transfers = getattr(scheduler_stats, "kv_connector_stats", None) or {}
-            durations = transfers.get("transfer_duration") if isinstance(transfers, dict) else None
-            if durations:
-                stats.kv_transfers += len(durations)
-                stats.kv_transfer_s += float(sum(durations))
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return PromptStatsLogger
 
 
 def _default_args(settings: Settings, model_path: str, served_name: str) -> dict[str, Any]:

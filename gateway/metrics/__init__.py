@@ -1,6 +1,7 @@
 """Prometheus metrics of one gateway process, served as text at ``GET /metrics``.
 
-Two kinds, in one registry per app (never the process-global one):
+vLLM's own metrics (``vllm:*``, gateway/metrics/vllm.py) and Conveyor's (``conveyor_*``),
+in one registry per app (never the process-global one). Conveyor's are of two kinds:
 
 - counted as they happen: HTTP answers by route / model / status
   (:class:`RequestMetrics`, an ASGI middleware), and per finished request its time
@@ -24,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.dispatch.request_tally import RequestTally
+from gateway.metrics.vllm import DEFAULT_MAX_MODEL_LEN, ClientMetrics, EngineCollector
 from shared.queue import names
 from shared.queue.usage import UsageRecord
 
@@ -40,9 +43,12 @@ UNKNOWN_MODEL = "unknown"
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.vllm = ClientMetrics(r, max_model_len)
+        self.engines = EngineCollector()
+        r.register(self.engines)
         self.requests = Counter(
             "conveyor_requests", "HTTP answers.", ["route", "model", "status"], registry=r
         )
@@ -75,10 +81,11 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self._scraped = _ScrapeGauges(r)
+        self._scraped = _ScrapeGauges(r, self.engines)
 
-    def observe_usage(self, record: UsageRecord) -> None:
-        """One finished request (its usage record, as the ledger gets it)."""
+    def observe_usage(self, record: UsageRecord, tally: RequestTally) -> None:
+        """One finished request (its usage record, as the ledger gets it, and its tally)."""
+        self.vllm.observe(record, tally)
         model = record.model
         if record.first_token_unix is not None:
             self.ttft.labels(model).observe(
@@ -101,7 +108,8 @@ class GatewayMetrics:
 class _ScrapeGauges:
     """Gauges read from the gateway's state and Redis at every scrape."""
 
-    def __init__(self, r: CollectorRegistry) -> None:
+    def __init__(self, r: CollectorRegistry, engines: EngineCollector) -> None:
+        self._engines = engines
         self.queue_depth = Gauge(
             "conveyor_queue_depth", "Jobs queued or running per job stream.", ["stream"], registry=r
         )
@@ -141,8 +149,12 @@ class _ScrapeGauges:
         self.open_requests.set(state.cells.open_requests())
         self.workers.clear()
         self.queue_depth.clear()
+        live = []
         for cell in state.cells.all():
-            await self._queues_and_workers(cell.redis, cell.directory.all())
+            workers = cell.directory.all()
+            live.extend(workers)
+            await self._queues_and_workers(cell.redis, workers)
+        self._engines.set_workers(live)
         control = state.control
         if control is None:
             return
