@@ -75,7 +75,9 @@ class StatsRecorder:
     the :class:`EngineStats` a heartbeat publishes. Plain ints, so a heartbeat thread
     may read while the event loop writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        """False: the engine does not collect its figures (``engine_stats`` off)."""
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0

@@ -361,6 +361,12 @@ class WorkerSettings(ImageSettings):
     """`conveyor worker`: the engine, its placement on the CPU, and the worker runtime."""
 
     role: Role = Field(Role.AGGREGATED, description="Worker role.")
+    engine_stats: bool = Field(
+        True,
+        description="Collect the engine's per-step figures (running, waiting, KV cache usage, "
+        "prefix-cache hits) for /metrics' vllm:* engine series; off saves vLLM's per-step "
+        "stats work.",
+    )
     engine: EngineKind = Field(
         EngineKind.VLLM,
         description="Inference engine (sglang: GPU only; fake: no model, for load and "

@@ -88,7 +88,9 @@ class WorkerStatus:
             adapters={} if adapters is None else adapters.report(),
             adapters_generation=0 if adapters is None else adapters.generation,
             engine_stats=(
-                engine.engine_stats.snapshot() if isinstance(engine, ReportsStats) else None
+                engine.engine_stats.snapshot()
+                if isinstance(engine, ReportsStats) and engine.engine_stats.enabled
+                else None
             ),
         )
 

@@ -62,18 +62,18 @@ class VllmEngine:
             **with_defaults(_default_args(settings, model_path, served_name), operator),
             kv_transfer_config=kv_transfer,
             # vLLM's default loggers stay off but for prefill/decode workers; the custom
-            # stat loggers below turn its per-step stats on for every worker.
+            # stat loggers below turn its per-step stats on (unless engine_stats is off).
             disable_log_stats=kv_transfer is None,
         )
         self.prompt_stats = PromptTokenStats()
-        self.engine_stats = StatsRecorder()
-        loggers = [stats_logger(self.engine_stats)]
+        self.engine_stats = StatsRecorder(enabled=settings.engine_stats)
+        loggers = [stats_logger(self.engine_stats)] if settings.engine_stats else []
         if kv_transfer is not None:
             loggers.append(prompt_stats_logger(self.prompt_stats))
         _start_quiet_resource_tracker()
         # A custom stat logger turns vLLM's per-step stats on (not its default loggers):
         # the fleet metrics need running/waiting/KV usage from every engine.
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers or None)
         if kv_transfer is not None and settings.pin_kv_engines:
             pin_process_tree(engine_cores(settings))
         config = self._llm.model_config
