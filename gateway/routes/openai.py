@@ -1,4 +1,5 @@
-"""OpenAI routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
+"""OpenAI routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses,
+/v1/models.
 
 The POST routes only read the HTTP request; each hands it to its serving step
 (:mod:`gateway.serving.endpoints`).
@@ -13,9 +14,10 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
 from gateway.control.records import Principal, Scope
+from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
-from gateway.serving import endpoints, limits
+from gateway.serving import endpoints, limits, responses
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import StateDep
 
@@ -67,6 +69,24 @@ async def embeddings(
     request.state.model = body.model
     headers = RequestHeaders(None, timeout_s, principal)
     return await endpoints.embeddings(state, body, headers, request.receive)
+
+
+@router.post("/responses", response_model=None)
+async def create_response(
+    body: ResponsesRequest,
+    request: Request,
+    state: StateDep,
+    principal: Inference,
+    idempotency_key: IdempotencyKey = None,
+    timeout_s: RequestTimeout = None,
+) -> Response:
+    request.state.model = body.model  # the metrics' model label
+    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    return await responses.create_response(state, body, headers, request.receive, [], _no_store)
+
+
+async def _no_store(body: dict[str, Any]) -> None:
+    return None
 
 
 @router.get("/models")
