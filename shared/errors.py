@@ -205,6 +205,13 @@ class ModelNotFound(ConveyorError):
     code = "model_not_found"
 
 
+class ResponseNotFound(ConveyorError):
+    """A stored response that does not exist, or belongs to another key."""
+
+    status = 404
+    type = "invalid_request_error"
+
+
 class RetryableError(ConveyorError):
     """The request may succeed later; responses carry ``Retry-After``."""
 

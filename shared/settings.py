@@ -329,6 +329,11 @@ class GatewaySettings(ImageSettings):
     usage_retention_days: int = Field(
         0, description="Delete usage ledger rows older than this many days (0: keep them all)."
     )
+    responses_retention_days: int = Field(
+        30,
+        description="Delete stored /v1/responses answers older than this many days "
+        "(0: keep them all).",
+    )
     lora_load_timeout_s: float = Field(
         60.0,
         description="How long POST /admin/loras waits for a worker to report the adapter "

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.control import response_store
 from gateway.control.key_cache import KeyCache
 from gateway.control.key_service import KeyService
 from gateway.control.ledger import DATABASE_ERRORS, LedgerConsumer, backlog
@@ -60,6 +61,7 @@ class ControlPlane:
         self.database: Database = open_database(settings.database_url_or_default())
         self.keys = KeyCache(self.database.sessions, redis, admin_secret=settings.admin_secret())
         self.key_service = KeyService(self.database.sessions, redis, on_change=self.keys.reload)
+        self.responses = response_store.ResponseStore(self.database.sessions)
         self.ledger = LedgerConsumer(redis, self.database.sessions, gateway_id)
         self.orphan_usage = self._sweep(redis, gateway_id)
         self.cell_usage = [self._usage_of(cell, gateway_id) for cell in cells]
@@ -118,6 +120,12 @@ class ControlPlane:
                     self._redis, self.database.sessions, self.settings.usage_retention_days
                 ),
                 name="ledger-retention",
+            ),
+            asyncio.create_task(
+                response_store.retention_loop(
+                    self._redis, self.database.sessions, self.settings.responses_retention_days
+                ),
+                name="responses-retention",
             ),
         ]
         for index, (ledger, sweep) in enumerate(self.cell_usage, start=1):

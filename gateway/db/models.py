@@ -138,3 +138,20 @@ class LoraAdapterRow(Base):
     path: Mapped[str] = mapped_column(String(4096))
     base_model: Mapped[str] = mapped_column(String(200), index=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class StoredResponseRow(Base):
+    """A stored ``/v1/responses`` answer (``store``: true), with the input items it
+    answered; ``previous_response_id`` chains a conversation."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    """The API key that created it (None: auth off); only that key (or admin) reads it."""
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The response object as it was answered."""
+    input_items: Mapped[list[Any]] = mapped_column(JSON)
+    """This request's input items (each with an ``id``), not the earlier turns'."""
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)

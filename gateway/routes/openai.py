@@ -7,19 +7,21 @@ The POST routes only read the HTTP request; each hands it to its serving step
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
 from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
+from gateway.control import response_store
 from gateway.control.records import Principal, Scope
 from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
 from gateway.serving import endpoints, limits, responses
 from gateway.serving.endpoints import RequestHeaders
-from gateway.state import StateDep
+from gateway.state import GatewayState, StateDep
+from shared.errors import ResponseNotFound
 
 Inference = Annotated[Principal, Depends(require_scope(Scope.INFERENCE))]
 """Every /v1 route needs a key with the ``inference`` scope while auth is on."""
@@ -82,11 +84,40 @@ async def create_response(
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
-    return await responses.create_response(state, body, headers, request.receive, [], _no_store)
+    return await responses.create_response(state, body, headers, request.receive)
 
 
-async def _no_store(body: dict[str, Any]) -> None:
-    return None
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, state: StateDep, principal: Inference) -> dict[str, Any]:
+    row = await _stored(state).get(response_id, principal)
+    return row.body
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(
+    response_id: str, state: StateDep, principal: Inference
+) -> dict[str, Any]:
+    await _stored(state).delete(response_id, principal)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items")
+async def response_input_items(
+    response_id: str,
+    state: StateDep,
+    principal: Inference,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    row = await _stored(state).get(response_id, principal)
+    return response_store.page(row.input_items, after=after, limit=limit, order=order)
+
+
+def _stored(state: GatewayState) -> response_store.ResponseStore:
+    if state.control is None:
+        raise ResponseNotFound("no response store: the gateway runs without its control plane")
+    return state.control.responses
 
 
 @router.get("/models")

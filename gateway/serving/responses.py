@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from fastapi import Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
+from gateway.control.records import Principal
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.openai.output_parsing import ChoiceOutput, OutputParser
 from gateway.openai.responses_api import (
@@ -34,7 +35,7 @@ from gateway.serving import responses_input
 from gateway.serving.delivery import KEEPALIVE, EventStreamResponse, unless_disconnected
 from gateway.serving.endpoints import CLIENT_CLOSED_REQUEST, Receive, RequestHeaders, plan_chat
 from gateway.state import GatewayState
-from shared.errors import ConveyorError, InvalidRequest, RemoteError
+from shared.errors import ConveyorError, InvalidRequest, RemoteError, ResponseNotFound
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,15 @@ Store = Callable[[Json], Awaitable[None]]
 """Keeps a finished response (its body); a no-op when ``store`` is false."""
 
 
+_ITEMS = TypeAdapter(list[InputItem])
+
+
 async def create_response(
-    state: GatewayState,
-    body: ResponsesRequest,
-    headers: RequestHeaders,
-    receive: Receive,
-    history: list[InputItem],
-    store: Store,
+    state: GatewayState, body: ResponsesRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     responses_input.refuse_unsupported(body)
+    history = await _history(state, body, headers.principal)
+    store = _store(state, body, headers.principal)
     try:
         chat = responses_input.chat_request(body, history)
     except ValidationError as exc:
@@ -71,6 +72,37 @@ async def create_response(
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     await store(result)
     return JSONResponse(result, headers={"X-Request-Id": handle.request_id, **handle.headers})
+
+
+async def _history(
+    state: GatewayState, body: ResponsesRequest, principal: Principal
+) -> list[InputItem]:
+    if body.previous_response_id is None:
+        return []
+    if state.control is None:
+        raise ResponseNotFound(
+            f"Response with id '{body.previous_response_id}' not found (no response store: "
+            "the gateway runs without its control plane).",
+            param="previous_response_id",
+        )
+    items = await state.control.responses.history(body.previous_response_id, principal)
+    return _ITEMS.validate_python(items)
+
+
+def _store(state: GatewayState, body: ResponsesRequest, principal: Principal) -> Store:
+    control = state.control
+    if not body.store or control is None:
+        return _keep_nothing
+    items = [item.model_dump(by_alias=True, exclude_none=True) for item in body.input_items()]
+
+    async def keep(response: Json) -> None:
+        await control.responses.save(response, items, principal)
+
+    return keep
+
+
+async def _keep_nothing(response: Json) -> None:
+    return None
 
 
 def _first_error(exc: ValidationError) -> str:

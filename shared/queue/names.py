@@ -155,6 +155,7 @@ USAGE_DEAD_LETTER = f"{PREFIX}:usage:dead"
 """Usage entries that could not be decoded, kept for an operator instead of dropped."""
 
 LEDGER_RETENTION_LOCK = f"{PREFIX}:ledger:retention"
+RESPONSES_RETENTION_LOCK = f"{PREFIX}:responses:retention"
 """Held (SET NX with a TTL) by the one gateway deleting expired ledger rows this period."""
 
 

@@ -30,7 +30,7 @@ from gateway.db.schema import (
 )
 from tests.support.sql import SqlTarget
 
-TABLES = {"api_keys", "usage_records", "lora_adapters"}
+TABLES = {"api_keys", "usage_records", "lora_adapters", "responses"}
 
 
 def _drift(connection: Connection) -> list[Any]:
@@ -69,7 +69,7 @@ async def test_upgrade_downgrade_upgrade(sql_target: SqlTarget) -> None:
         assert await _run(db, _tables) == TABLES
 
         await downgrade(db.engine, "0001")
-        assert await _run(db, _tables) == TABLES - {"lora_adapters"}
+        assert await _run(db, _tables) == TABLES - {"lora_adapters", "responses"}
         await downgrade(db.engine, "base")
         assert await current_revision(db.engine) is None
         assert await _run(db, _tables) == set()
