@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.openai import output_parsing
 from gateway.openai.output_parsing import ChoiceOutput, OutputParser
-from shared.protocol import FinishEvent, TokenEvent, TokenLogprob
+from shared.protocol import FinishEvent, PromptLogprob, PromptLogprobs, TokenEvent, TokenLogprob
 
 Json = dict[str, Any]
 
@@ -21,6 +21,19 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion's prompt as ``echo`` writes it: its text and its first token (which
+    has no logprob: nothing precedes it)."""
+
+    text: str
+    first_token: str
+    first_token_id: int
+    only: bool = False
+    """``max_tokens: 0``: the prompt alone, the one generated token dropped."""
 
 
 @dataclass(slots=True)
@@ -68,8 +81,11 @@ class ResponseWriter:
         with_logprobs: bool,
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.tokens_as_ids = tokens_as_ids
+        """vLLM's ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N``."""
         self.model = model
         self.created = int(time.time())
         self.with_logprobs = with_logprobs
@@ -77,6 +93,25 @@ class ResponseWriter:
         self.prompt_token_ids = prompt_token_ids or {}
         """Each choice's prompt (``with_token_ids``: vLLM's ``prompt_token_ids`` fields)."""
         self._prompt_sent: set[int] = set()
+
+    def token(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else text
+
+    def prompt_logprobs(self, logprobs: PromptLogprobs) -> list[Json | None]:
+        """vLLM's ``prompt_logprobs`` field: per position, token id -> its logprob."""
+        return [
+            None
+            if entries is None
+            else {
+                str(e.token_id): {
+                    "logprob": e.logprob,
+                    "rank": e.rank,
+                    "decoded_token": self.token(e.token_id, e.token),
+                }
+                for e in entries
+            }
+            for entries in logprobs
+        ]
 
     def prompt_once(self, index: int) -> list[int] | None:
         """Choice ``index``'s prompt ids the first time a stream asks (token ids wanted)."""
@@ -149,6 +184,8 @@ class ChatWriter(ResponseWriter):
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
         output: OutputParser | None = None,
+        tokens_as_ids: bool = False,
+        echo: str | None = None,
     ) -> None:
         super().__init__(
             request_id,
@@ -156,14 +193,18 @@ class ChatWriter(ResponseWriter):
             with_logprobs=with_logprobs,
             with_token_ids=with_token_ids,
             prompt_token_ids=prompt_token_ids,
+            tokens_as_ids=tokens_as_ids,
         )
         self._parser = output
         self._outputs: dict[int, ChoiceOutput] = {}
+        self._echo = echo or ""
+        """vLLM's chat ``echo``: the last message's text, before each choice's content."""
 
     def start_chunk(self, index: int) -> Json:
         """The role chunk; the stream's first one carries the prompt ids (vLLM: one chat
         prompt per request, sent once)."""
-        body = self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
+        delta = {"role": "assistant", "content": self._echo}
+        body = self.chunk([_chat_choice(index, delta, None, None)])
         if self.with_token_ids and not self._prompt_sent:
             self._prompt_sent.add(index)
             body["prompt_token_ids"] = self._prompt()
@@ -173,13 +214,16 @@ class ChatWriter(ResponseWriter):
         body = super().response(choices, usage)
         if self.with_token_ids:
             body["prompt_token_ids"] = self._prompt()
+        scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+        if scored is not None:  # vLLM: one chat prompt, its logprobs on the response
+            body["prompt_logprobs"] = self.prompt_logprobs(scored)
         return body
 
     def _prompt(self) -> list[int] | None:
         return next(iter(self.prompt_token_ids.values()), None)
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
-        logprobs = _chat_logprobs(event.logprobs or []) if self.with_logprobs else None
+        logprobs = self._chat_logprobs(event.logprobs or []) if self.with_logprobs else None
         delta: Json = {"content": event.text}
         if self._parser is not None:
             delta = self._output(event.index, self._parser).feed(event.text)
@@ -204,7 +248,9 @@ class ChatWriter(ResponseWriter):
             message = output_parsing.message(parsed)
             if reason is not None:
                 reason = output_parsing.finish_reason(reason, bool(parsed.calls))
-        logprobs = _chat_logprobs(choice.logprobs) if self.with_logprobs else None
+        if self._echo:
+            message["content"] = self._echo + (message.get("content") or "")
+        logprobs = self._chat_logprobs(choice.logprobs) if self.with_logprobs else None
         body = _chat_choice(choice.index, message, logprobs, reason)
         body["message"] = body.pop("delta")
         return body
@@ -214,6 +260,22 @@ class ChatWriter(ResponseWriter):
         if output is None:
             output = self._outputs[index] = ChoiceOutput(parser)
         return output
+
+    def _chat_logprobs(self, tokens: list[TokenLogprob]) -> Json:
+        return {"content": [self._chat_token(t) for t in tokens], "refusal": None}
+
+    def _chat_token(self, t: TokenLogprob) -> Json:
+        token = self.token(t.token_id, t.token)
+        return {
+            "token": token,
+            "logprob": t.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": name, "logprob": a.logprob, "bytes": list(name.encode())}
+                for a in t.top
+                for name in (self.token(a.token_id, a.token),)
+            ],
+        }
 
 
 class CompletionWriter(ResponseWriter):
@@ -228,6 +290,9 @@ class CompletionWriter(ResponseWriter):
         with_logprobs: bool,
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
+        tokens_as_ids: bool = False,
+        top_logprobs: int | None = None,
+        echo: Mapping[int, Echo] | None = None,
     ) -> None:
         super().__init__(
             request_id,
@@ -235,14 +300,19 @@ class CompletionWriter(ResponseWriter):
             with_logprobs=with_logprobs,
             with_token_ids=with_token_ids,
             prompt_token_ids=prompt_token_ids,
+            tokens_as_ids=tokens_as_ids,
         )
         self._text_offsets: dict[int, int] = {}
+        self._top = top_logprobs
+        """The request's ``logprobs`` (None: every alternative the worker sent)."""
+        self._echo = echo or {}
+        """Each choice's prompt, written before its text (non-streaming only)."""
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
         logprobs = None
         if self.with_logprobs:
             start = self._text_offsets.get(event.index, 0)
-            logprobs = _text_logprobs(event.logprobs or [], start)
+            logprobs = self._text_logprobs(self._generated(event.logprobs or []), start)
             self._text_offsets[event.index] = start + len(event.text)
         choice = _text_choice(event.index, event.text, logprobs, None)
         prompt = self.prompt_once(event.index)
@@ -254,11 +324,61 @@ class CompletionWriter(ResponseWriter):
         return self.chunk([_text_choice(index, "", None, finish_reason)])
 
     def final_choice(self, choice: ChoiceState) -> Json:
-        logprobs = _text_logprobs(choice.logprobs, 0) if self.with_logprobs else None
-        body = _text_choice(choice.index, "".join(choice.text), logprobs, choice.finish_reason)
+        text, rows = "".join(choice.text), self._generated(choice.logprobs)
+        echo = self._echo.get(choice.index)
+        if echo is not None:
+            head = self._echoed(echo, choice.prompt_logprobs)
+            text, rows = (echo.text, head) if echo.only else (echo.text + text, head + rows)
+        logprobs = self._text_logprobs(rows, 0) if self.with_logprobs else None
+        body = _text_choice(choice.index, text, logprobs, choice.finish_reason)
         if self.with_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids.get(choice.index)
+        if choice.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(choice.prompt_logprobs)
         return body
+
+    def _generated(self, tokens: list[TokenLogprob]) -> list[_Row]:
+        """vLLM's shape: the sampled token's logprob, then up to ``logprobs`` alternatives
+        (``logprobs: 0``: the sampled token alone)."""
+        rows: list[_Row] = []
+        for t in tokens:
+            top = {self.token(t.token_id, t.token): t.logprob}
+            for a in t.top[: self._top]:
+                top.setdefault(self.token(a.token_id, a.token), a.logprob)
+            rows.append((self.token(t.token_id, t.token), t.logprob, top))
+        return rows
+
+    def _echoed(self, echo: Echo, scored: PromptLogprobs | None) -> list[_Row]:
+        """The prompt's rows: its first token without a logprob, then each token scored."""
+        first: _Row = (self.token(echo.first_token_id, echo.first_token), None, None)
+        return [first, *(self._prompt_row(entries) for entries in (scored or [])[1:])]
+
+    def _prompt_row(self, entries: list[PromptLogprob] | None) -> _Row:
+        if not entries:
+            return ("", None, None)
+        own = entries[0]
+        top = {
+            self.token(e.token_id, e.token): e.logprob
+            for e in entries[: None if self._top is None else self._top + 1]
+        }
+        return (self.token(own.token_id, own.token), own.logprob, top)
+
+    @staticmethod
+    def _text_logprobs(rows: list[_Row], offset: int) -> Json:
+        text_offset = []
+        for token, _, _ in rows:
+            text_offset.append(offset)
+            offset += len(token)
+        return {
+            "tokens": [token for token, _, _ in rows],
+            "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
+            "text_offset": text_offset,
+        }
+
+
+_Row = tuple[str, float | None, dict[str, float] | None]
+"""One token of a completion's logprobs: its text, logprob and alternatives."""
 
 
 def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | None) -> Json:
@@ -267,34 +387,3 @@ def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | N
 
 def _text_choice(index: int, text: str, logprobs: Json | None, finish: str | None) -> Json:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _chat_logprobs(tokens: list[TokenLogprob]) -> Json:
-    return {
-        "content": [
-            {
-                "token": t.token,
-                "logprob": t.logprob,
-                "bytes": list(t.token.encode()),
-                "top_logprobs": [
-                    {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode())}
-                    for a in t.top
-                ],
-            }
-            for t in tokens
-        ],
-        "refusal": None,
-    }
-
-
-def _text_logprobs(tokens: list[TokenLogprob], offset: int) -> Json:
-    text_offset = []
-    for t in tokens:
-        text_offset.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
-        "text_offset": text_offset,
-    }
