@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.openai import output_parsing
+from gateway.openai import logprob_rows, output_parsing
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import ChoiceOutput, OutputParser
-from shared.protocol import FinishEvent, PromptLogprob, PromptLogprobs, TokenEvent, TokenLogprob
+from shared.protocol import FinishEvent, PromptLogprobs, TokenEvent, TokenLogprob
 
 Json = dict[str, Any]
 
@@ -22,18 +23,6 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Echo:
-    """A completion's prompt as ``echo`` writes it: its text and its first token (which
-    has no logprob: nothing precedes it)."""
-
-    text: str
-    first_token: str
-    first_token_id: int
-    only: bool = False
-    """``max_tokens: 0``: the prompt alone, the one generated token dropped."""
 
 
 @dataclass(slots=True)
@@ -98,20 +87,7 @@ class ResponseWriter:
         return f"token_id:{token_id}" if self.tokens_as_ids else text
 
     def prompt_logprobs(self, logprobs: PromptLogprobs) -> list[Json | None]:
-        """vLLM's ``prompt_logprobs`` field: per position, token id -> its logprob."""
-        return [
-            None
-            if entries is None
-            else {
-                str(e.token_id): {
-                    "logprob": e.logprob,
-                    "rank": e.rank,
-                    "decoded_token": self.token(e.token_id, e.token),
-                }
-                for e in entries
-            }
-            for entries in logprobs
-        ]
+        return logprob_rows.prompt_logprobs_field(logprobs, self.token)
 
     def prompt_once(self, index: int) -> list[int] | None:
         """Choice ``index``'s prompt ids the first time a stream asks (token ids wanted)."""
@@ -312,7 +288,8 @@ class CompletionWriter(ResponseWriter):
         logprobs = None
         if self.with_logprobs:
             start = self._text_offsets.get(event.index, 0)
-            logprobs = self._text_logprobs(self._generated(event.logprobs or []), start)
+            rows = logprob_rows.generated(event.logprobs or [], self._top, self.token)
+            logprobs = logprob_rows.text_logprobs(rows, start)
             self._text_offsets[event.index] = start + len(event.text)
         choice = _text_choice(event.index, event.text, logprobs, None)
         prompt = self.prompt_once(event.index)
@@ -324,61 +301,19 @@ class CompletionWriter(ResponseWriter):
         return self.chunk([_text_choice(index, "", None, finish_reason)])
 
     def final_choice(self, choice: ChoiceState) -> Json:
-        text, rows = "".join(choice.text), self._generated(choice.logprobs)
+        text = "".join(choice.text)
+        rows = logprob_rows.generated(choice.logprobs, self._top, self.token)
         echo = self._echo.get(choice.index)
         if echo is not None:
-            head = self._echoed(echo, choice.prompt_logprobs)
+            head = logprob_rows.echoed(echo, choice.prompt_logprobs, self._top, self.token)
             text, rows = (echo.text, head) if echo.only else (echo.text + text, head + rows)
-        logprobs = self._text_logprobs(rows, 0) if self.with_logprobs else None
+        logprobs = logprob_rows.text_logprobs(rows, 0) if self.with_logprobs else None
         body = _text_choice(choice.index, text, logprobs, choice.finish_reason)
         if self.with_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids.get(choice.index)
         if choice.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs(choice.prompt_logprobs)
         return body
-
-    def _generated(self, tokens: list[TokenLogprob]) -> list[_Row]:
-        """vLLM's shape: the sampled token's logprob, then up to ``logprobs`` alternatives
-        (``logprobs: 0``: the sampled token alone)."""
-        rows: list[_Row] = []
-        for t in tokens:
-            top = {self.token(t.token_id, t.token): t.logprob}
-            for a in t.top[: self._top]:
-                top.setdefault(self.token(a.token_id, a.token), a.logprob)
-            rows.append((self.token(t.token_id, t.token), t.logprob, top))
-        return rows
-
-    def _echoed(self, echo: Echo, scored: PromptLogprobs | None) -> list[_Row]:
-        """The prompt's rows: its first token without a logprob, then each token scored."""
-        first: _Row = (self.token(echo.first_token_id, echo.first_token), None, None)
-        return [first, *(self._prompt_row(entries) for entries in (scored or [])[1:])]
-
-    def _prompt_row(self, entries: list[PromptLogprob] | None) -> _Row:
-        if not entries:
-            return ("", None, None)
-        own = entries[0]
-        top = {
-            self.token(e.token_id, e.token): e.logprob
-            for e in entries[: None if self._top is None else self._top + 1]
-        }
-        return (self.token(own.token_id, own.token), own.logprob, top)
-
-    @staticmethod
-    def _text_logprobs(rows: list[_Row], offset: int) -> Json:
-        text_offset = []
-        for token, _, _ in rows:
-            text_offset.append(offset)
-            offset += len(token)
-        return {
-            "tokens": [token for token, _, _ in rows],
-            "token_logprobs": [logprob for _, logprob, _ in rows],
-            "top_logprobs": [top for _, _, top in rows],
-            "text_offset": text_offset,
-        }
-
-
-_Row = tuple[str, float | None, dict[str, float] | None]
-"""One token of a completion's logprobs: its text, logprob and alternatives."""
 
 
 def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | None) -> Json:

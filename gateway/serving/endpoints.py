@@ -42,8 +42,9 @@ from gateway.control.records import ANONYMOUS, Principal
 from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, W
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import OutputParser
-from gateway.openai.responses import ChatWriter, CompletionWriter, Echo, Json, ResponseWriter
+from gateway.openai.responses import ChatWriter, CompletionWriter, Json, ResponseWriter
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,

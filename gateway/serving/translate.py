@@ -10,7 +10,7 @@ from typing import Any
 from gateway.catalog.served_models import ServedModel
 from gateway.catalog.tokenizer import CHAT_COMPLETION, RESERVED_TEMPLATE_VARIABLES, ChatRendering
 from gateway.dispatch.plan import ChoiceSpec
-from gateway.openai.responses import Echo
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.vllm_schemas import TokenizeChatRequest
 from gateway.serving import prompts

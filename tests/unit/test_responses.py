@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.openai.responses import ChatWriter, ChoiceState, CompletionWriter, Echo, Usage
+from gateway.openai.logprob_rows import Echo
+from gateway.openai.responses import ChatWriter, ChoiceState, CompletionWriter, Usage
 from shared.protocol import FinishEvent, PromptLogprob, TokenEvent, TokenLogprob, TopLogprob
 
 ENVELOPE_KEYS = {"id", "object", "created", "model", "choices"}
