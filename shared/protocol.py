@@ -53,6 +53,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=T
     logprobs: int | None = None
     """Top-k alternatives per sampled token (0 = only the sampled token's logprob)."""
     prompt_logprobs: int | None = None
+    """Top-k alternatives per prompt token (vLLM's ``prompt_logprobs``): the first event of
+    the sequence carries them."""
     json_schema: str | None = None
     """JSON schema (serialized) the output must follow."""
     json_object: bool = False
@@ -187,6 +189,20 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[TopLogprob]
 
 
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One entry of a prompt position's logprobs (vLLM's ``Logprob`` with its token id)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int | None
+
+
+PromptLogprobs = list[list[PromptLogprob] | None]
+"""Per prompt position: the prompt token's entry first, then its top-k alternatives;
+None for the first position (nothing precedes it)."""
+
+
 class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="tok"):
     """New tokens of one sequence from one engine step."""
 
@@ -197,6 +213,9 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind",
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """With ``SamplingOptions.prompt_logprobs``: on the sequence's first event (a migrated
+    run may send them again; they are the same, and the later copy replaces the first)."""
 
 
 class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="fin"):

@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.openai import output_parsing
+from gateway.openai import logprob_rows, output_parsing
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import ChoiceOutput, OutputParser
-from shared.protocol import FinishEvent, TokenEvent, TokenLogprob
+from shared.protocol import FinishEvent, PromptLogprobs, TokenEvent, TokenLogprob
 
 Json = dict[str, Any]
 
@@ -21,6 +22,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -68,8 +70,11 @@ class ResponseWriter:
         with_logprobs: bool,
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.tokens_as_ids = tokens_as_ids
+        """vLLM's ``return_tokens_as_token_ids``: logprob tokens as ``token_id:N``."""
         self.model = model
         self.created = int(time.time())
         self.with_logprobs = with_logprobs
@@ -77,6 +82,12 @@ class ResponseWriter:
         self.prompt_token_ids = prompt_token_ids or {}
         """Each choice's prompt (``with_token_ids``: vLLM's ``prompt_token_ids`` fields)."""
         self._prompt_sent: set[int] = set()
+
+    def token(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else text
+
+    def prompt_logprobs(self, logprobs: PromptLogprobs) -> list[Json | None]:
+        return logprob_rows.prompt_logprobs_field(logprobs, self.token)
 
     def prompt_once(self, index: int) -> list[int] | None:
         """Choice ``index``'s prompt ids the first time a stream asks (token ids wanted)."""
@@ -149,6 +160,8 @@ class ChatWriter(ResponseWriter):
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
         output: OutputParser | None = None,
+        tokens_as_ids: bool = False,
+        echo: str | None = None,
     ) -> None:
         super().__init__(
             request_id,
@@ -156,14 +169,18 @@ class ChatWriter(ResponseWriter):
             with_logprobs=with_logprobs,
             with_token_ids=with_token_ids,
             prompt_token_ids=prompt_token_ids,
+            tokens_as_ids=tokens_as_ids,
         )
         self._parser = output
         self._outputs: dict[int, ChoiceOutput] = {}
+        self._echo = echo or ""
+        """vLLM's chat ``echo``: the last message's text, before each choice's content."""
 
     def start_chunk(self, index: int) -> Json:
         """The role chunk; the stream's first one carries the prompt ids (vLLM: one chat
         prompt per request, sent once)."""
-        body = self.chunk([_chat_choice(index, {"role": "assistant", "content": ""}, None, None)])
+        delta = {"role": "assistant", "content": self._echo}
+        body = self.chunk([_chat_choice(index, delta, None, None)])
         if self.with_token_ids and not self._prompt_sent:
             self._prompt_sent.add(index)
             body["prompt_token_ids"] = self._prompt()
@@ -173,13 +190,16 @@ class ChatWriter(ResponseWriter):
         body = super().response(choices, usage)
         if self.with_token_ids:
             body["prompt_token_ids"] = self._prompt()
+        scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+        if scored is not None:  # vLLM: one chat prompt, its logprobs on the response
+            body["prompt_logprobs"] = self.prompt_logprobs(scored)
         return body
 
     def _prompt(self) -> list[int] | None:
         return next(iter(self.prompt_token_ids.values()), None)
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
-        logprobs = _chat_logprobs(event.logprobs or []) if self.with_logprobs else None
+        logprobs = self._chat_logprobs(event.logprobs or []) if self.with_logprobs else None
         delta: Json = {"content": event.text}
         if self._parser is not None:
             delta = self._output(event.index, self._parser).feed(event.text)
@@ -204,7 +224,9 @@ class ChatWriter(ResponseWriter):
             message = output_parsing.message(parsed)
             if reason is not None:
                 reason = output_parsing.finish_reason(reason, bool(parsed.calls))
-        logprobs = _chat_logprobs(choice.logprobs) if self.with_logprobs else None
+        if self._echo:
+            message["content"] = self._echo + (message.get("content") or "")
+        logprobs = self._chat_logprobs(choice.logprobs) if self.with_logprobs else None
         body = _chat_choice(choice.index, message, logprobs, reason)
         body["message"] = body.pop("delta")
         return body
@@ -214,6 +236,22 @@ class ChatWriter(ResponseWriter):
         if output is None:
             output = self._outputs[index] = ChoiceOutput(parser)
         return output
+
+    def _chat_logprobs(self, tokens: list[TokenLogprob]) -> Json:
+        return {"content": [self._chat_token(t) for t in tokens], "refusal": None}
+
+    def _chat_token(self, t: TokenLogprob) -> Json:
+        token = self.token(t.token_id, t.token)
+        return {
+            "token": token,
+            "logprob": t.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": name, "logprob": a.logprob, "bytes": list(name.encode())}
+                for a in t.top
+                for name in (self.token(a.token_id, a.token),)
+            ],
+        }
 
 
 class CompletionWriter(ResponseWriter):
@@ -228,6 +266,9 @@ class CompletionWriter(ResponseWriter):
         with_logprobs: bool,
         with_token_ids: bool = False,
         prompt_token_ids: Mapping[int, list[int]] | None = None,
+        tokens_as_ids: bool = False,
+        top_logprobs: int | None = None,
+        echo: Mapping[int, Echo] | None = None,
     ) -> None:
         super().__init__(
             request_id,
@@ -235,14 +276,20 @@ class CompletionWriter(ResponseWriter):
             with_logprobs=with_logprobs,
             with_token_ids=with_token_ids,
             prompt_token_ids=prompt_token_ids,
+            tokens_as_ids=tokens_as_ids,
         )
         self._text_offsets: dict[int, int] = {}
+        self._top = top_logprobs
+        """The request's ``logprobs`` (None: every alternative the worker sent)."""
+        self._echo = echo or {}
+        """Each choice's prompt, written before its text (non-streaming only)."""
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
         logprobs = None
         if self.with_logprobs:
             start = self._text_offsets.get(event.index, 0)
-            logprobs = _text_logprobs(event.logprobs or [], start)
+            rows = logprob_rows.generated(event.logprobs or [], self._top, self.token)
+            logprobs = logprob_rows.text_logprobs(rows, start)
             self._text_offsets[event.index] = start + len(event.text)
         choice = _text_choice(event.index, event.text, logprobs, None)
         prompt = self.prompt_once(event.index)
@@ -254,10 +301,18 @@ class CompletionWriter(ResponseWriter):
         return self.chunk([_text_choice(index, "", None, finish_reason)])
 
     def final_choice(self, choice: ChoiceState) -> Json:
-        logprobs = _text_logprobs(choice.logprobs, 0) if self.with_logprobs else None
-        body = _text_choice(choice.index, "".join(choice.text), logprobs, choice.finish_reason)
+        text = "".join(choice.text)
+        rows = logprob_rows.generated(choice.logprobs, self._top, self.token)
+        echo = self._echo.get(choice.index)
+        if echo is not None:
+            head = logprob_rows.echoed(echo, choice.prompt_logprobs, self._top, self.token)
+            text, rows = (echo.text, head) if echo.only else (echo.text + text, head + rows)
+        logprobs = logprob_rows.text_logprobs(rows, 0) if self.with_logprobs else None
+        body = _text_choice(choice.index, text, logprobs, choice.finish_reason)
         if self.with_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids.get(choice.index)
+        if choice.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(choice.prompt_logprobs)
         return body
 
 
@@ -267,34 +322,3 @@ def _chat_choice(index: int, delta: Json, logprobs: Json | None, finish: str | N
 
 def _text_choice(index: int, text: str, logprobs: Json | None, finish: str | None) -> Json:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _chat_logprobs(tokens: list[TokenLogprob]) -> Json:
-    return {
-        "content": [
-            {
-                "token": t.token,
-                "logprob": t.logprob,
-                "bytes": list(t.token.encode()),
-                "top_logprobs": [
-                    {"token": a.token, "logprob": a.logprob, "bytes": list(a.token.encode())}
-                    for a in t.top
-                ],
-            }
-            for t in tokens
-        ],
-        "refusal": None,
-    }
-
-
-def _text_logprobs(tokens: list[TokenLogprob], offset: int) -> Json:
-    text_offset = []
-    for t in tokens:
-        text_offset.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
-        "text_offset": text_offset,
-    }

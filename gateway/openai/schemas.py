@@ -202,7 +202,9 @@ class AssistantToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Text
+    """``system``, ``developer``, ``user``, ``assistant``, ``tool``, or any other role the
+    chat template renders (vLLM's custom roles)."""
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOLS)] | None = None
@@ -257,6 +259,10 @@ class SamplingFields(_Lenient):
     truncation_side: Literal["left", "right"] | None = None
     """``left`` (default) keeps the last N tokens, ``right`` the first N."""
     use_beam_search: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """vLLM's: each prompt token's logprob and its top-k alternatives (not streamed)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprob tokens written as ``token_id:N`` (for tokens that are not text)."""
     cache_salt: Annotated[Text, AfterValidator(_cache_salt)] | None = None
     """Isolates the request's prefix-cache entries: only requests with the same salt share
     them (vLLM's rule for the value)."""
@@ -271,6 +277,8 @@ class SamplingFields(_Lenient):
     def _check_common(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
     def stop_list(self) -> tuple[str, ...]:
@@ -295,6 +303,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: more variables for the chat template (``enable_thinking``, ...)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the last message is left open and the model continues it."""
+    echo: bool = False
+    """vLLM's: the last message's content starts the answer when it has the answer's role."""
     # Known OpenAI fields this server cannot honour yet: declared so they are refused
     # (gateway/serving/translate.py::refuse_unsupported) rather than silently ignored.
     functions: list[dict[str, Any]] | None = None
@@ -307,7 +322,24 @@ class ChatCompletionRequest(SamplingFields):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
         return self
+
+    def echoed(self) -> str | None:
+        """vLLM's chat ``echo``: the last message's text, when its role is the answer's
+        (``assistant``, or with ``add_generation_prompt: false`` the last message's own)."""
+        if not self.echo:
+            return None
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return None
+        content = last.content
+        if isinstance(content, list):
+            return "\n".join(part.text for part in content if isinstance(part, TextPart))
+        return content or None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -315,17 +347,28 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)
+    """0 (with ``echo``): the prompt alone is answered, scored with ``logprobs``."""
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported when stream is true")
+        return self
+
+    def echo_only(self) -> bool:
+        """vLLM's ``echo`` with ``max_tokens: 0``: one token is generated and dropped."""
+        return self.echo and self.max_tokens == 0
+
+    def prompt_logprobs_k(self) -> int | None:
+        """vLLM's rule: ``echo`` scores the prompt with ``logprobs`` alternatives."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -335,7 +378,7 @@ class CompletionRequest(SamplingFields):
         return suffix
 
     def token_budget(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only() else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """Normalize the four OpenAI prompt shapes to a list of prompts."""

@@ -139,6 +139,8 @@ async def collect_response(
             state.text.append(event.text)
             state.logprobs.extend(event.logprobs or [])
             state.token_ids.extend(event.token_ids)
+            if event.prompt_logprobs is not None:
+                state.prompt_logprobs = event.prompt_logprobs
         elif isinstance(event, FinishEvent):
             states[event.index].finish_reason = event.finish_reason
             usage.add(event)

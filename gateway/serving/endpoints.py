@@ -42,6 +42,7 @@ from gateway.control.records import ANONYMOUS, Principal
 from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, W
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import OutputParser
 from gateway.openai.responses import ChatWriter, CompletionWriter, Json, ResponseWriter
 from gateway.openai.schemas import (
@@ -92,6 +93,8 @@ async def chat_completions(
         with_token_ids=body.return_token_ids,
         prompt_token_ids=_prompts(plan),
         output=parser,
+        tokens_as_ids=body.return_tokens_as_token_ids,
+        echo=body.echoed(),
     )
     return await _generate(state, plan, body, fmt, receive)
 
@@ -99,13 +102,16 @@ async def chat_completions(
 async def completions(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
-    plan = await plan_completion(state, body, headers)
+    plan, echo = await plan_completion(state, body, headers)
     fmt = CompletionWriter(
         plan.request_id,
         plan.model,
         with_logprobs=body.logprobs is not None,
         with_token_ids=body.return_token_ids,
         prompt_token_ids=_prompts(plan),
+        tokens_as_ids=body.return_tokens_as_token_ids,
+        top_logprobs=body.logprobs,
+        echo=echo,
     )
     return await _generate(state, plan, body, fmt, receive)
 
@@ -132,8 +138,9 @@ async def plan_chat(
     limits.check_chat(body, model, state.settings)
     tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
+    rendering = translate.chat_rendering(body)
     prompt = await asyncio.to_thread(
-        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools
+        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools, rendering
     )
     tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
@@ -145,14 +152,19 @@ async def plan_chat(
 
 async def plan_completion(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders
-) -> RequestPlan[Generation]:
+) -> tuple[RequestPlan[Generation], dict[int, Echo] | None]:
+    """The request's plan, and with ``echo`` each choice's prompt as it is written back."""
     model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     work = Generation(tuple(choices), (), body.n)
-    return _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
+    plan = _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
+    echo = None
+    if body.echo:
+        echo = await asyncio.to_thread(translate.echoes, body, choices, model)
+    return plan, echo
 
 
 async def plan_embeddings(

@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 from gateway.catalog.served_models import ServedModel
-from gateway.catalog.tokenizer import RESERVED_TEMPLATE_VARIABLES, ChatRendering
+from gateway.catalog.tokenizer import ChatRendering
 from gateway.control.records import Principal
 from gateway.openai.vllm_schemas import (
     DetokenizeRequest,
@@ -24,7 +24,7 @@ from gateway.openai.vllm_schemas import (
 from gateway.serving import prompts, translate
 from gateway.serving.tool_choice import check_caps, template_tools
 from gateway.state import GatewayState
-from shared.errors import InvalidRequest, UnsupportedParameter
+from shared.errors import UnsupportedParameter
 
 PATH_FIELDS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path"})
 """Fields of tokenizer_config.json that name files on the server: never shown (vLLM drops
@@ -77,20 +77,9 @@ def _chat_tokens(body: TokenizeChatRequest, model: ServedModel) -> list[int]:
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens,
-        template_kwargs=_template_kwargs(body.chat_template_kwargs),
+        template_kwargs=translate.template_kwargs(body.chat_template_kwargs),
     )
     return translate.chat_prompt(body, model, images, template_tools(tools) or None, rendering)
-
-
-def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs or {}))
-    if taken:
-        raise InvalidRequest(
-            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields "
-            "(messages, tools, add_generation_prompt, continue_final_message) do",
-            param="chat_template_kwargs",
-        )
-    return dict(kwargs or {})
 
 
 def detokenize(

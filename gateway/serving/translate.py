@@ -8,8 +8,9 @@ import logging
 from typing import Any
 
 from gateway.catalog.served_models import ServedModel
-from gateway.catalog.tokenizer import CHAT_COMPLETION, ChatRendering
+from gateway.catalog.tokenizer import CHAT_COMPLETION, RESERVED_TEMPLATE_VARIABLES, ChatRendering
 from gateway.dispatch.plan import ChoiceSpec
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.vllm_schemas import TokenizeChatRequest
 from gateway.serving import prompts
@@ -31,10 +32,20 @@ def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
         )
     if isinstance(request, ChatCompletionRequest):
         _refuse_chat_features(request, model.name)
-    elif isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
+    elif isinstance(request, CompletionRequest):
+        _refuse_completion_features(request)
+
+
+def _refuse_completion_features(request: CompletionRequest) -> None:
+    if request.best_of not in (None, request.n):
         raise UnsupportedParameter(
             "best_of is not supported (only best_of equal to n, which returns every sample)",
             param="best_of",
+        )
+    if request.max_tokens == 0 and not request.echo:
+        raise InvalidRequest(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone, scored)",
+            param="max_tokens",
         )
 
 
@@ -51,6 +62,28 @@ def _refuse_chat_features(request: ChatCompletionRequest, name: str) -> None:
         )
     if request.web_search_options is not None:
         raise UnsupportedParameter("web search is not supported", param="web_search_options")
+
+
+def chat_rendering(request: ChatCompletionRequest) -> ChatRendering:
+    """vLLM's rendering options of a chat request (``chat_template_kwargs``, the ending)."""
+    return ChatRendering(
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        template_kwargs=template_kwargs(request.chat_template_kwargs),
+    )
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs``, refused when they would set what the request's own fields
+    set."""
+    taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs or {}))
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields "
+            "(messages, tools, add_generation_prompt, continue_final_message) do",
+            param="chat_template_kwargs",
+        )
+    return dict(kwargs or {})
 
 
 def chat_prompt(
@@ -129,6 +162,23 @@ def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
         return request.prompts()
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="prompt") from exc
+
+
+def echoes(
+    request: CompletionRequest, specs: list[ChoiceSpec], model: ServedModel
+) -> dict[int, Echo]:
+    """Each choice's prompt as ``echo`` writes it back: the prompt's text as sent (token
+    ids: decoded), its first token decoded alone (vLLM's first echoed logprob row)."""
+    texts = prompt_list(request)
+    found: dict[int, Echo] = {}
+    for spec in specs:
+        sent = texts[spec.index // request.n]
+        ids = spec.prompt_token_ids
+        whole = isinstance(sent, str) and request.truncate_prompt_tokens is None
+        text = sent if whole and isinstance(sent, str) else model.tokenizer.decode(ids)
+        first = model.tokenizer.decode(ids[:1])
+        found[spec.index] = Echo(text, first, ids[0], only=request.echo_only())
+    return found
 
 
 def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
@@ -259,9 +309,16 @@ def sampling_options(
         logprobs=logprobs,
         logit_bias=logit_bias,
         cache_salt=request.cache_salt,
+        prompt_logprobs=_prompt_logprobs(request),
         **(constraint(request) if structured is None else structured),
         **token_ids,
     )
+
+
+def _prompt_logprobs(request: SamplingFields) -> int | None:
+    if isinstance(request, CompletionRequest):
+        return request.prompt_logprobs_k()
+    return request.prompt_logprobs
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -392,3 +392,28 @@ def test_return_token_ids_and_cache_salt(running: Running) -> None:
     [choice] = response.json()["choices"]
     assert choice["prompt_token_ids"] == prompt
     assert len(choice["token_ids"]) == 4
+
+
+def test_continue_final_message_with_echo(client: openai.OpenAI, running: Running) -> None:
+    """vLLM's chat extensions: the last message left open, and echoed before the answer."""
+    turns = [*MESSAGES, {"role": "assistant", "content": "The sea is"}]
+    chat = client.chat.completions.create(
+        model=running.model, messages=turns, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )  # fmt: skip
+    content = chat.choices[0].message.content or ""
+    assert content.startswith("The sea is") and len(content) > len("The sea is")
+
+
+def test_a_custom_role_and_template_kwargs(client: openai.OpenAI, running: Running) -> None:
+    chat = client.chat.completions.create(
+        model=running.model, max_tokens=2,
+        messages=[{"role": "narrator", "content": "Once"}, *MESSAGES],  # type: ignore[list-item]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "length"
+    ids = (chat.model_extra or {})["prompt_token_ids"]
+    rendered = httpx.post(
+        f"{running.base_url}/detokenize", json={"model": running.model, "tokens": ids}
+    ).json()["prompt"]
+    assert "narrator" in rendered

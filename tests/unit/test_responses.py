@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from gateway.openai.logprob_rows import Echo
 from gateway.openai.responses import ChatWriter, ChoiceState, CompletionWriter, Usage
-from shared.protocol import FinishEvent, TokenEvent, TokenLogprob, TopLogprob
+from shared.protocol import FinishEvent, PromptLogprob, TokenEvent, TokenLogprob, TopLogprob
 
 ENVELOPE_KEYS = {"id", "object", "created", "model", "choices"}
 
@@ -255,3 +256,87 @@ def test_streamed_text_offset_is_per_choice_and_spans_multi_token_chunks() -> No
     fresh = CompletionWriter("cmpl-2", "tiny", with_logprobs=True)
     chunk = fresh.delta_chunk(tok("q", logprobs=[lp("q", -1)]))
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0]
+
+
+SCORED = [
+    None,
+    [
+        PromptLogprob(7, " b", -2.0, 3),
+        PromptLogprob(8, " z", -0.5, 1),
+        PromptLogprob(9, "y", -1, 2),
+    ],
+    [PromptLogprob(6, "c", -0.25, 1)],
+]
+
+
+def test_echo_with_max_tokens_0_is_the_scored_prompt_alone() -> None:
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0."""
+    echo = {0: Echo("a b c", "a", 5, only=True)}
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True, top_logprobs=1, echo=echo)
+    choice = ChoiceState(0, ["!"], [lp("!", -0.3)], finish_reason="length", prompt_logprobs=SCORED)
+    [out] = fmt.response([choice], Usage(1))["choices"]
+    assert out["text"] == "a b c"
+    assert out["logprobs"] == {
+        "tokens": ["a", " b", "c"],
+        "token_logprobs": [None, -2.0, -0.25],
+        "top_logprobs": [None, {" b": -2.0, " z": -0.5}, {"c": -0.25}],
+        "text_offset": [0, 1, 3],
+    }
+    assert out["prompt_logprobs"][0] is None
+    assert out["prompt_logprobs"][1]["8"] == {"logprob": -0.5, "rank": 1, "decoded_token": " z"}
+
+
+def test_echo_puts_the_prompt_before_the_generated_text() -> None:
+    echo = {0: Echo("a b c", "a", 5)}
+    fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True, top_logprobs=0, echo=echo)
+    choice = ChoiceState(
+        0, ["!"], [lp("!", -0.3, ("?", -0.1))], finish_reason="length", prompt_logprobs=SCORED
+    )
+    [out] = fmt.response([choice], Usage(1))["choices"]
+    assert out["text"] == "a b c!"
+    assert out["logprobs"]["tokens"] == ["a", " b", "c", "!"]
+    assert out["logprobs"]["top_logprobs"][1:] == [{" b": -2.0}, {"c": -0.25}, {"!": -0.3}]
+
+
+def stopped(tokens: list[TokenLogprob]) -> ChoiceState:
+    return ChoiceState(0, ["Hi"], tokens, finish_reason="stop")
+
+
+def test_logprobs_0_is_the_sampled_token_alone_and_k_adds_alternatives() -> None:
+    """vLLM's shape: the sampled token first, then up to k alternatives."""
+    tokens = [lp("Hi", -0.7, ("Ho", -0.2), ("Ha", -0.9))]
+    for k, top in [(0, {"Hi": -0.7}), (1, {"Hi": -0.7, "Ho": -0.2})]:
+        fmt = CompletionWriter("cmpl-1", "tiny", with_logprobs=True, top_logprobs=k)
+        [out] = fmt.response([stopped(tokens)], Usage(1))["choices"]
+        assert out["logprobs"]["top_logprobs"] == [top]
+
+
+def test_tokens_as_token_ids() -> None:
+    tokens = [lp("Hi", -0.7, ("Ho", -0.2))]
+    fmt = CompletionWriter("c", "tiny", with_logprobs=True, top_logprobs=1, tokens_as_ids=True)
+    [out] = fmt.response([stopped(tokens)], Usage(1))["choices"]
+    assert out["logprobs"]["tokens"] == ["token_id:2"]
+    assert out["logprobs"]["top_logprobs"] == [{"token_id:2": -0.7, "token_id:0": -0.2}]
+    chat = ChatWriter("c", "tiny", with_logprobs=True, tokens_as_ids=True)
+    [out] = chat.response([stopped(tokens)], Usage(1))["choices"]
+    [entry] = out["logprobs"]["content"]
+    assert entry["token"] == "token_id:2"
+    assert entry["bytes"] == list(b"token_id:2")
+    assert entry["top_logprobs"][0]["token"] == "token_id:0"
+
+
+def test_chat_prompt_logprobs_are_on_the_response() -> None:
+    fmt = ChatWriter("c", "tiny", with_logprobs=False)
+    body = fmt.response(
+        [ChoiceState(0, ["Hi"], [], finish_reason="stop", prompt_logprobs=SCORED)], Usage(1)
+    )
+    assert body["prompt_logprobs"][2] == {"6": {"logprob": -0.25, "rank": 1, "decoded_token": "c"}}
+    assert "prompt_logprobs" not in body["choices"][0]
+
+
+def test_chat_echo_starts_the_content_and_the_stream() -> None:
+    """vLLM's chat ``echo``: the last message's text before each choice's content."""
+    fmt = ChatWriter("c", "tiny", with_logprobs=False, echo="Once upon")
+    body = fmt.response([ChoiceState(0, [" a time"], finish_reason="stop")], Usage(1))
+    assert body["choices"][0]["message"]["content"] == "Once upon a time"
+    assert fmt.start_chunk(0)["choices"][0]["delta"]["content"] == "Once upon"

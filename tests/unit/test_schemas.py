@@ -153,6 +153,8 @@ def test_unknown_fields_are_accepted_and_kept_aside(kind: str) -> None:
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_numeric_ranges(kind: str, field: str, good: list[float], bad: list[float]) -> None:
     build = BUILDERS[kind]
+    if kind == "completion" and field == "max_tokens":  # 0: the echo of a scored prompt
+        good, bad = [0, *good], [v for v in bad if v != 0]
     for value in good:
         assert getattr(build(**{field: value}), field) == value
     for value in bad:
@@ -163,8 +165,13 @@ def test_numeric_ranges(kind: str, field: str, good: list[float], bad: list[floa
 def test_chat_specific_rules() -> None:
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": []})
-    with pytest.raises(ValidationError):
-        chat(messages=[{"role": "wizard", "content": "x"}])
+    assert chat(messages=[{"role": "wizard", "content": "x"}]).messages[0].role == "wizard"
+    refused(chat, messages=[{"role": "wizard"}])  # any role but an assistant's needs content
+    refused(chat, continue_final_message=True)  # with add_generation_prompt (the default)
+    opened = chat(messages=[{"role": "assistant", "content": "Once"}], echo=True)
+    assert opened.echoed() == "Once"
+    assert chat(echo=True).echoed() is None  # the last message is not the answer's role
+    assert chat(echo=True, add_generation_prompt=False).echoed() == USER[0]["content"]
     refused(chat, max_completion_tokens=0)
     assert chat(max_completion_tokens=7, max_tokens=3).token_budget() == 7
     assert chat(max_tokens=3).token_budget() == 3
@@ -211,7 +218,10 @@ def test_response_format() -> None:
 
 
 def test_completion_unsupported_options() -> None:
-    assert "echo is not supported" in str(refused(completion, echo=True))
+    assert "echo is not supported when stream" in str(refused(completion, echo=True, stream=True))
+    assert completion(echo=True, max_tokens=0, logprobs=1).prompt_logprobs_k() == 1
+    assert completion(echo=True, max_tokens=0).token_budget() == 1
+    assert "not available when stream" in str(refused(completion, prompt_logprobs=1, stream=True))
     assert "suffix is not supported" in str(refused(completion, suffix="tail"))
     assert completion(echo=False, suffix="").prompts() == ["hi"]
 

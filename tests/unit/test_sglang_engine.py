@@ -327,7 +327,6 @@ EVERY_FIELD = SamplingOptions(
     ignore_eos=True,
     min_tokens=3,
     logprobs=2,
-    prompt_logprobs=1,
     json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}',
     json_object=True,
     skip_special_tokens=False,
@@ -393,7 +392,7 @@ FIELD_DESTINATIONS = {
     "ignore_eos": "sampling_params.ignore_eos",
     "min_tokens": "sampling_params.min_new_tokens",
     "logprobs": "async_generate.return_logprob/top_logprobs_num",
-    "prompt_logprobs": "not supported (documented)",
+    "prompt_logprobs": "refused: prompt logprobs are not read from SGLang",
     "json_schema": "sampling_params.json_schema",
     "json_object": "sampling_params.json_schema",
     "skip_special_tokens": "sampling_params.skip_special_tokens",
@@ -428,6 +427,7 @@ def test_constraints_beyond_json(kind: str, value: str, destination: str) -> Non
         ("choice", ("a", "b"), "structured_outputs.choice"),
         ("allowed_token_ids", (1, 2), "allowed_token_ids"),
         ("cache_salt", "tenant-a", "cache_salt"),
+        ("prompt_logprobs", 1, "prompt_logprobs"),
     ],
 )
 def test_fields_without_a_counterpart_are_400(field: str, value: object, param: str) -> None:

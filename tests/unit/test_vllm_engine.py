@@ -21,7 +21,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.errors import ConveyorError, EngineDead, EngineError, InvalidRequest
-from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob
+from shared.protocol import PromptLogprob, SamplingOptions, TokenLogprob, TopLogprob
 from workers.engines.base import PromptImages, StepOutput
 from workers.engines.vision.encoder import ImageEmbedding
 from workers.engines.vllm.translate import (
@@ -48,6 +48,7 @@ EVERY_FIELD = SamplingOptions(
     ignore_eos=True,
     min_tokens=4,
     logprobs=3,
+    prompt_logprobs=2,
     skip_special_tokens=False,
     logit_bias={5: 10.0, 6: -100.0},
     allowed_token_ids=(5, 6, 7),
@@ -61,7 +62,7 @@ def test_every_sampling_option_reaches_sampling_params() -> None:
     assert params.output_kind is RequestOutputKind.DELTA
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "ignore_eos", "min_tokens",
-                 "logprobs", "skip_special_tokens", "logit_bias"):  # fmt: skip
+                 "logprobs", "prompt_logprobs", "skip_special_tokens", "logit_bias"):  # fmt: skip
         assert getattr(params, name) == getattr(EVERY_FIELD, name), name
     assert params.stop == ["END", "\n\n"]
     assert params.stop_token_ids == [2, 3]
@@ -190,6 +191,7 @@ def request_output(
     finish_reason: str | None = None,
     prompt_token_ids: list[int] | None = None,
     num_cached_tokens: int | None = None,
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
 ) -> RequestOutput:
     completion = CompletionOutput(
         index=0,
@@ -203,7 +205,7 @@ def request_output(
         request_id="job-1",
         prompt=None,
         prompt_token_ids=prompt_token_ids,
-        prompt_logprobs=None,
+        prompt_logprobs=prompt_logprobs,
         outputs=[completion],
         finished=finish_reason is not None,
         num_cached_tokens=num_cached_tokens,
@@ -244,6 +246,22 @@ def test_logprobs_keep_the_top_k_by_rank_and_clamp_minus_infinity() -> None:
     ruled_out = request_output([14], " hu", logprobs=[alternatives])
     [logprob] = step_output(ruled_out, [1], 0).logprobs or []
     assert (logprob.logprob, logprob.top) == (-9999.0, [])  # -inf is not JSON
+
+
+def test_prompt_logprobs_keep_the_prompt_token_first_and_the_ranks() -> None:
+    scored = [
+        None,
+        {5: Logprob(-2.5, rank=7, decoded_token=" b"), 9: Logprob(-0.1, 1, " z")},
+        {6: Logprob(-math.inf, rank=3, decoded_token="c")},
+    ]
+    output = request_output([11], " hi", prompt_token_ids=[4, 5, 6], prompt_logprobs=scored)
+    step = step_output(output, [4, 5, 6], None)
+    assert step.prompt_logprobs == [
+        None,
+        [PromptLogprob(5, " b", -2.5, 7), PromptLogprob(9, " z", -0.1, 1)],
+        [PromptLogprob(6, "c", -9999.0, 3)],
+    ]
+    assert step_output(request_output([11], " hi"), [4], None).prompt_logprobs is None
 
 
 def test_no_logprobs_unless_the_request_asked() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from shared.engine_stats import StatsRecorder
-from shared.protocol import ImageRef, SamplingOptions, TokenLogprob
+from shared.protocol import ImageRef, PromptLogprobs, SamplingOptions, TokenLogprob
 
 Handoff = dict[str, Any]
 """Engine-specific, JSON-safe data a decode engine needs to fetch a prefilled KV cache."""
@@ -53,6 +53,8 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int | None = None
     """Prompt tokens the engine served from its prefix cache (None: not reported)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's logprobs (asked for with ``prompt_logprobs``), on the first step."""
 
 
 @dataclass(frozen=True, slots=True)

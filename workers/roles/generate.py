@@ -11,6 +11,9 @@ deterministic guided job (temperature 0, or a seed) is *replayed* instead: the
 original prompt runs again, the emitted tokens are regenerated, checked equal to
 what the client already has and not sent again, and the stream goes on after them.
 Intake refuses to migrate a guided job that is not deterministic.
+Prompt logprobs travel on a run's first event, with its first tokens: a run that
+continues after emitted tokens does not ask for them again (its prompt is longer); one
+that starts over sends the same ones again, and the gateway keeps the last copy.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def resume_point(job: GenerateJob, emitted: list[int]) -> tuple[list[int], Sampl
         return job.prompt_token_ids, job.sampling
     sampling = msgspec.structs.replace(
         job.sampling,
+        prompt_logprobs=None,  # sent with the first tokens, which the client already has
         max_tokens=job.sampling.max_tokens - len(emitted),
         min_tokens=max(0, job.sampling.min_tokens - len(emitted)),
     )
@@ -208,6 +212,12 @@ class SequenceRun:
             return "length", len(job.prompt_token_ids), None
         # A fresh decode fetches the prefilled KV; a resumed one recomputes its prompt.
         handoff = job.handoff if not self.lease.emitted else None
+        if handoff is not None and sampling.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "prompt_logprobs (and echo with logprobs) are not available on a "
+                "disaggregated path: the prompt ran on the prefill worker",
+                param="prompt_logprobs",
+            )
         images = await load_images(self._images, job)
         async with self._adapter_slot():
             return await self._stream(prompt, sampling, handoff, images)
@@ -235,7 +245,7 @@ class SequenceRun:
         )
         async for output in stream:
             step = output if self._replay.done else self._replay.skip(output)
-            if step.token_ids or step.text:
+            if step.token_ids or step.text or step.prompt_logprobs:
                 self._completion_tokens += len(step.token_ids)
                 event = TokenEvent(
                     job.request_id,
@@ -245,6 +255,7 @@ class SequenceRun:
                     step.token_ids,
                     step.text,
                     step.logprobs,
+                    step.prompt_logprobs,
                 )
                 self._journal.publish(self.lease, event, step.token_ids)
             if step.finish_reason is not None:

@@ -151,6 +151,11 @@ class FakeEngine:
             )
         if sampling.allowed_token_ids is not None:
             raise InvalidRequest("the fake engine does not do allowed_token_ids")
+        if sampling.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "the fake engine does not do prompt_logprobs (nor echo with logprobs)",
+                param="prompt_logprobs",
+            )
         if not prompt:
             raise InvalidRequest("the prompt cannot be empty")
         if len(prompt) > self.info.max_model_len:

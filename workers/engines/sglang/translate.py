@@ -56,8 +56,8 @@ def generate_request(
 def sampling_params(options: SamplingOptions) -> dict[str, Any]:
     """SGLang ``sampling_params`` (``sglang.srt.sampling.sampling_params.SamplingParams``).
 
-    ``prompt_logprobs`` is not supported (prompt logprobs never reach :class:`StepOutput`);
-    ``choice``, ``allowed_token_ids`` and ``cache_salt`` have no SGLang counterpart: a 400
+    ``prompt_logprobs`` (prompt logprobs are not read from SGLang's answers), ``choice``,
+    ``allowed_token_ids`` and ``cache_salt`` (no SGLang counterpart) are a 400
     (a salt ignored would share the prefix cache its client asked to keep apart).
     """
     _refuse_unsupported(options)
@@ -96,7 +96,7 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
 
 
 def _refuse_unsupported(options: SamplingOptions) -> None:
-    for name in ("choice", "allowed_token_ids", "cache_salt"):
+    for name in ("choice", "allowed_token_ids", "cache_salt", "prompt_logprobs"):
         if getattr(options, name) is not None:
             param = "structured_outputs.choice" if name == "choice" else name
             raise InvalidRequest(f"the SGLang backend of Conveyor does not do {param}", param=param)

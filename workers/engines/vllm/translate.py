@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from shared.errors import EngineDead, EngineError, InvalidRequest
-from shared.protocol import SamplingOptions, TokenLogprob, TopLogprob, constraint_kind
+from shared.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingOptions,
+    TokenLogprob,
+    TopLogprob,
+    constraint_kind,
+)
 from workers.engines.base import (
     Handoff,
     PromptImages,
@@ -119,7 +126,24 @@ def step_output(output: Any, prompt_token_ids: list[int], logprobs: int | None) 
         finish_reason=completion.finish_reason,
         prompt_tokens=len(output.prompt_token_ids or prompt_token_ids),
         cached_tokens=_cached_tokens(output),
+        prompt_logprobs=_prompt_logprobs(getattr(output, "prompt_logprobs", None)),
     )
+
+
+def _prompt_logprobs(raw: Any) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` (None first, then per position a dict whose first entry
+    is the prompt token, then its top-k by rank) in the protocol's shape."""
+    if not raw:
+        return None
+    return [
+        None
+        if position is None
+        else [
+            PromptLogprob(int(tid), lp.decoded_token or "", _finite(lp.logprob), lp.rank)
+            for tid, lp in position.items()
+        ]
+        for position in raw
+    ]
 
 
 def _cached_tokens(output: Any) -> int | None:
@@ -157,6 +181,7 @@ def _build_sampling_params(options: SamplingOptions) -> Any:
         ignore_eos=options.ignore_eos,
         min_tokens=options.min_tokens,
         logprobs=options.logprobs,
+        prompt_logprobs=options.prompt_logprobs,
         skip_special_tokens=options.skip_special_tokens,
         logit_bias=options.logit_bias,
         structured_outputs=structured,
