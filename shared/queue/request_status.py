@@ -195,27 +195,27 @@ async def _position(redis: aioredis.Redis, stream: str, entry_id: str) -> int | 
     it is gone)."""
     if not stream or not entry_id:
         return None
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xrange(stream, entry_id, entry_id)
-        pipe.xrange(stream, "-", f"({entry_id}", count=MAX_POSITION_SCAN)
-        pipe.xinfo_groups(stream)
-        own, ahead, groups = await pipe.execute(raise_on_error=False)
-    if not isinstance(own, list) or not own or not isinstance(ahead, list):
-        return None
-    if not isinstance(groups, list):
-        groups = []
-    if not own:
-        return None
-    last_delivered = next(
+    waiting = await waiting_entries(redis, stream, until=entry_id)
+    key = entry_key(entry_id)
+    if not waiting or waiting[-1] != key:
+        return None  # delivered to a worker (that has not begun its run yet), or gone
+    return len(waiting)
+
+
+async def waiting_entries(
+    redis: aioredis.Redis, stream: str, *, until: str = "+"
+) -> list[tuple[int, int]]:
+    """The ids of ``stream``'s entries no worker took yet, oldest first (up to ``until``,
+    at most :data:`MAX_POSITION_SCAN`)."""
+    groups: Any = await redis.xinfo_groups(stream) if await redis.exists(stream) else []
+    last = next(
         (as_text(g["last-delivered-id"]) for g in groups if as_text(g["name"]) == names.JOB_GROUP),
         "0-0",
     )
-    if _entry_key(entry_id) <= _entry_key(last_delivered):
-        return None  # delivered to a worker that has not begun its run yet
-    waiting = [e for e, _ in ahead if _entry_key(as_text(e)) > _entry_key(last_delivered)]
-    return len(waiting) + 1
+    entries: Any = await redis.xrange(stream, f"({last}", until, count=MAX_POSITION_SCAN)
+    return [entry_key(as_text(entry)) for entry, _ in entries]
 
 
-def _entry_key(entry_id: str) -> tuple[int, int]:
+def entry_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
