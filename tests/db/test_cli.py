@@ -30,10 +30,10 @@ def test_db_upgrade_current_downgrade(
     code, out, _ = run(capsys, "db", "current", *db)
     assert code == 0 and "current: empty" in out and "conveyor db upgrade" in out
     code, out, _ = run(capsys, "db", "upgrade", *db)
-    assert code == 0 and "migrated: empty -> 0002" in out
-    assert "current: 0002\nhead: 0002" in run(capsys, "db", "current", *db)[1]
+    assert code == 0 and "migrated: empty -> 0003" in out
+    assert "current: 0003\nhead: 0003" in run(capsys, "db", "current", *db)[1]
     code, out, _ = run(capsys, "db", "downgrade", "0001", *db)
-    assert code == 0 and "migrated: 0002 -> 0001" in out
+    assert code == 0 and "migrated: 0003 -> 0001" in out
     code, out, _ = run(capsys, "db", "downgrade", "base", *db)
     assert code == 0 and "migrated: 0001 -> empty" in out
 
