@@ -209,7 +209,7 @@ USER = [{"role": "user", "content": "hi"}]
         ({"model": "m", "messages": USER, "temperature": 3}, "temperature"),
         ({"model": "m"}, "messages"),
         ({"messages": USER}, "model"),
-        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"model": "m", "messages": USER, "stop": 5}, "stop"),
         ({"model": "m", "messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
