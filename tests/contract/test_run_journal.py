@@ -171,7 +171,6 @@ async def wa(redis_backend: aioredis.Redis) -> AsyncIterator[Journal]:
 # ------------------------------------------------------------------------- begin
 
 
-
 async def run_fields(redis: aioredis.Redis) -> dict[bytes, bytes]:
     """The run hash of ``r1/0``, less the start time the status page reads (``began_ms``:
     the clock's, checked here only for its shape)."""
