@@ -3,9 +3,10 @@
 Each layer is a package (or a root module) and names the layers directly below it; a
 module may import its own layer and everything below it (the transitive closure), nothing
 else. So the stages of a request read bottom-up: in the gateway, ``openai`` (pure wire
-vocabulary) < ``catalog``/``control``/``db`` < ``dispatch`` < ``images`` < ``serving`` <
-``routes`` < ``app``; the gateway and the workers never import each other; production code
-never imports the generated demo models (``shared.demo``: only the CLI may).
+vocabulary) < ``catalog``/``control``/``db``/``placement`` < ``dispatch`` < ``images`` <
+``serving`` < ``routes`` < ``app``; the gateway and the workers never import each other;
+production code never imports the generated demo models (``shared.demo``: only the CLI
+may).
 
 Parses every module with :mod:`ast`. Imports inside functions count; imports under
 ``if TYPE_CHECKING:`` do not (they never run). Prints which layer imports which, then each
@@ -45,7 +46,8 @@ BELOW: dict[str, tuple[str, ...]] = {
     "gateway.db": ("shared",),
     "gateway.catalog": ("gateway.openai",),
     "gateway.control": ("gateway.db",),
-    "gateway.dispatch": ("gateway.catalog", "gateway.control"),
+    "gateway.placement": ("shared",),
+    "gateway.dispatch": ("gateway.catalog", "gateway.control", "gateway.placement"),
     "gateway.images": ("gateway.dispatch",),
     "gateway.metrics": ("gateway.images",),
     "gateway.state": ("gateway.metrics",),
