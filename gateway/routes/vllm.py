@@ -1,6 +1,7 @@
 """vLLM's own routes beside the OpenAI ones, so that Conveyor stands in for ``vllm serve``:
-/tokenize, /detokenize, /tokenizer_info, /version, /load, /is_sleeping, and SageMaker's
-/ping and /invocations. Bodies: :mod:`gateway.openai.vllm_schemas`.
+/tokenize, /detokenize, /tokenizer_info, /version, /load, /is_sleeping,
+/v1/chat/completions/batch, and SageMaker's /ping and /invocations. Bodies:
+:mod:`gateway.openai.vllm_schemas`.
 
 Each takes an ``inference`` key while auth is on, but /ping (liveness, like /health) and
 /version (as public as vLLM's).
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Query, Request, Response
 from gateway.openai.vllm_schemas import DetokenizeRequest, TokenizeRequest
 from gateway.routes.health import health
 from gateway.routes.openai import IdempotencyKey, Inference, RequestTimeout
-from gateway.serving import invocations, tokenization
+from gateway.serving import chat_batch, invocations, tokenization
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import StateDep
 
@@ -89,3 +90,19 @@ async def invoke(
     request.state.model = getattr(body, "model", None)  # the metrics' model label
     headers = RequestHeaders(idempotency_key, timeout_s, principal)
     return await invocations.invoke(state, body, headers, request.receive)
+
+
+@router.post("/v1/chat/completions/batch", response_model=None)
+async def chat_completions_batch(
+    request: Request,
+    state: StateDep,
+    principal: Inference,
+    idempotency_key: IdempotencyKey = None,
+    timeout_s: RequestTimeout = None,
+) -> Response:
+    """Several conversations in one call: one chat completion each (see
+    :mod:`gateway.serving.chat_batch`)."""
+    bodies = chat_batch.parse(await request.body())
+    request.state.model = bodies[0].model  # the metrics' model label
+    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    return await chat_batch.chat_completions_batch(state, bodies, headers, request.receive)

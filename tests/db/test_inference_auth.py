@@ -16,7 +16,15 @@ from gateway.control.plane import ControlPlane
 from gateway.control.records import Scope
 from gateway.db.engine import Database
 from tests.gateway.asgi_call import SlowBodyCall
-from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, LiveGateway, error_of, live_gateway
+from tests.gateway.harness import (
+    BODIES,
+    CHAT,
+    COMPLETIONS,
+    USER,
+    LiveGateway,
+    error_of,
+    live_gateway,
+)
 from tests.gateway.test_disconnects import endless
 from tests.support.sql import SqlTarget
 
@@ -143,6 +151,7 @@ VLLM_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("GET", "/load", None),
     ("GET", "/is_sleeping", None),
     ("POST", "/invocations", BODIES[COMPLETIONS]),
+    ("POST", "/v1/chat/completions/batch", {**BODIES[CHAT], "messages": [USER, USER]}),
 ]
 
 

@@ -182,3 +182,19 @@ async def test_a_key_over_its_limit_costs_no_templating_or_fetch(
         assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert work == []
     assert await queued(gateway) == before
+
+
+async def test_a_batch_is_charged_per_conversation(gateway: LiveGateway) -> None:  # noqa: F811
+    secret = await limited_key(gateway, Limits(rpm=2))
+    body = {**BODIES[CHAT], "messages": [BODIES[CHAT]["messages"]] * 2}
+    batch = "/v1/chat/completions/batch"
+    answered = await gateway.client.post(batch, json=body, headers=bearer(secret))
+    assert answered.status_code == 200, answered.text
+    assert answered.headers["x-ratelimit-remaining-requests"] == "0"
+    refused = await gateway.client.post(batch, json=body, headers=bearer(secret))
+    assert error_of(refused, 429)["code"] == "rate_limit_exceeded"
+
+    async def two_rows() -> bool:
+        return len(await usage_rows(gateway)) == 2
+
+    await eventually(two_rows, what="one usage row per conversation")
