@@ -266,6 +266,8 @@ class SamplingFields(_Lenient):
     cache_salt: Annotated[Text, AfterValidator(_cache_salt)] | None = None
     """Isolates the request's prefix-cache entries: only requests with the same salt share
     them (vLLM's rule for the value)."""
+    skip_special_tokens: bool = True
+    """vLLM's: false keeps special tokens in the output text."""
     # Removed from vLLM (its server now ignores them with a warning): refused here.
     guided_json: Any = None
     guided_regex: Any = None

@@ -10,6 +10,7 @@ from typing import Any
 from gateway.catalog.served_models import ServedModel
 from gateway.catalog.tokenizer import CHAT_COMPLETION, RESERVED_TEMPLATE_VARIABLES, ChatRendering
 from gateway.dispatch.plan import ChoiceSpec
+from gateway.openai import vllm_fields
 from gateway.openai.logprob_rows import Echo
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.vllm_schemas import TokenizeChatRequest
@@ -25,6 +26,7 @@ def refuse_unsupported(request: SamplingFields, model: ServedModel) -> None:
     """Known OpenAI fields whose meaning this server cannot honour are a 400, not ignored:
     a client that asked for tool calls must not mistake a plain answer for one."""
     refuse_legacy(request)
+    vllm_fields.refuse(request.model_extra, chat=isinstance(request, ChatCompletionRequest))
     if request.use_beam_search:
         raise UnsupportedParameter(
             "beam search is not supported (the engine path streams one sequence per choice)",
@@ -309,6 +311,7 @@ def sampling_options(
         logprobs=logprobs,
         logit_bias=logit_bias,
         cache_salt=request.cache_salt,
+        skip_special_tokens=request.skip_special_tokens,
         prompt_logprobs=_prompt_logprobs(request),
         **(constraint(request) if structured is None else structured),
         **token_ids,

@@ -194,3 +194,45 @@ def test_cache_salt_reaches_the_job(
 ) -> None:
     assert queued(client, gateway, path, cache_salt="tenant-42").sampling.cache_salt == "tenant-42"
     assert queued(client, gateway, path).sampling.cache_salt is None
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_skip_special_tokens_reaches_the_worker(
+    client: TestClient, gateway: InProcessGateway, path: str
+) -> None:
+    assert queued(client, gateway, path).sampling.skip_special_tokens
+    assert not queued(client, gateway, path, skip_special_tokens=False).sampling.skip_special_tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+        (CHAT, {"include_reasoning": False}, "include_reasoning"),
+        (CHAT, {"add_special_tokens": True}, "add_special_tokens"),
+        (COMPLETIONS, {"add_special_tokens": False}, "add_special_tokens"),
+        (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (CHAT, {"bad_words": ["x"]}, "bad_words"),
+        (COMPLETIONS, {"priority": 3}, "priority"),
+        (COMPLETIONS, {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        (COMPLETIONS, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ],
+)
+def test_vllm_fields_that_change_the_answer_are_refused(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
+    error = error_of(client.post(path, json={**BODIES[path], **fields}))
+    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"priority": 0, "bad_words": [], "include_reasoning": True, "add_special_tokens": False},
+        {"request_id": "mine", "session_id": "s", "stream_interval": 4, "length_penalty": 2.0},
+    ],
+)
+def test_vllm_defaults_and_ignored_fields_are_accepted(
+    client: TestClient, fields: dict[str, Any]
+) -> None:
+    passed_every_check(client.post(CHAT, json={**BODIES[CHAT], **fields}))
