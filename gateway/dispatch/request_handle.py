@@ -53,6 +53,8 @@ class RequestHandle:
         self._deadline = deadline
         self._on_close = on_close
         self._closed = False
+        self._held: Event | None = None
+        """The first event, taken by :meth:`first` and yielded again by :meth:`events`."""
 
     async def __aenter__(self) -> RequestHandle:
         return self
@@ -69,6 +71,9 @@ class RequestHandle:
 
     async def events(self, *, idle_timeout_s: float | None = None) -> AsyncIterator[Event | None]:
         """Yields events until every sequence ended; ``None`` after ``idle_timeout_s`` of quiet."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            yield held
         while self._unfinished > 0:
             remaining = self._deadline.remaining_s()
             if remaining <= 0:
@@ -92,6 +97,15 @@ class RequestHandle:
             self.tally.note(item)
             yield item
 
+    async def first(self) -> Event:
+        """Wait for the request's first event and keep it: :meth:`events` yields it first
+        (a stream can see a worker's refusal before it sends its 200)."""
+        async for event in self.events():
+            if event is not None:
+                self._held = event
+                return event
+        raise BackendUnavailable("the request ended without an event")
+
     async def _next(self, wait_s: float) -> Event | StreamInterrupted:
         try:
             return self._queue.get_nowait()  # the common case under load: no timer, no task
@@ -107,7 +121,7 @@ class RequestHandle:
 
     def has_buffered(self) -> bool:
         """Events already arrived and not yet yielded (a writer can batch them)."""
-        return not self._queue.empty()
+        return self._held is not None or not self._queue.empty()
 
     def _in_order(self, event: Event) -> bool:
         """Drop repeats (seq already seen for this choice); a gap ends the request.

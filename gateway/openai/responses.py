@@ -281,17 +281,28 @@ class CompletionWriter(ResponseWriter):
         self._text_offsets: dict[int, int] = {}
         self._top = top_logprobs
         """The request's ``logprobs`` (None: every alternative the worker sent)."""
-        self._echo = echo or {}
-        """Each choice's prompt, written before its text (non-streaming only)."""
+        self._echo = dict(echo or {})
+        """Each choice's prompt, written before its text (a stream: in its first chunk)."""
+        self._prompt_alone: set[int] = set()
+        """Streamed choices that answer their prompt alone (``max_tokens: 0``)."""
 
     def delta_chunk(self, event: TokenEvent) -> Json | None:
+        text = event.text
+        rows = logprob_rows.generated(event.logprobs or [], self._top, self.token)
+        echo = self._echo.pop(event.index, None)  # a stream echoes each prompt once
+        if echo is not None:
+            head = logprob_rows.echoed(echo, event.prompt_logprobs, self._top, self.token)
+            text, rows = (echo.text, head) if echo.only else (echo.text + text, head + rows)
+            if echo.only:
+                self._prompt_alone.add(event.index)
+        elif event.index in self._prompt_alone:
+            return None  # max_tokens 0: the one generated token is dropped
         logprobs = None
         if self.with_logprobs:
             start = self._text_offsets.get(event.index, 0)
-            rows = logprob_rows.generated(event.logprobs or [], self._top, self.token)
             logprobs = logprob_rows.text_logprobs(rows, start)
-            self._text_offsets[event.index] = start + len(event.text)
-        choice = _text_choice(event.index, event.text, logprobs, None)
+            self._text_offsets[event.index] = start + len(text)
+        choice = _text_choice(event.index, text, logprobs, None)
         prompt = self.prompt_once(event.index)
         if prompt is not None:
             choice["prompt_token_ids"] = prompt

@@ -356,12 +356,6 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @model_validator(mode="after")
-    def _check_echo(self) -> CompletionRequest:
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported when stream is true")
-        return self
-
     def echo_only(self) -> bool:
         """vLLM's ``echo`` with ``max_tokens: 0``: one token is generated and dropped."""
         return self.echo and self.max_tokens == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.responses import StreamingResponse
@@ -21,6 +21,7 @@ from shared.errors import ConveyorError, RemoteError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n"
@@ -150,8 +151,8 @@ async def collect_response(
 
 
 async def unless_disconnected(
-    work: Awaitable[Json], receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
-) -> Json | None:
+    work: Awaitable[T], receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
+) -> T | None:
     """Run ``work``; return None (and cancel it) if the client disconnects first."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))

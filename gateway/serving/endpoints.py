@@ -27,6 +27,7 @@ expensive work:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -61,7 +62,8 @@ from gateway.serving.delivery import (
 from gateway.serving.embeddings import collect_embeddings, embedding_inputs, input_token_ids
 from gateway.serving.tool_choice import opens_reasoning, plan_tools
 from gateway.state import GatewayState
-from shared.errors import GatewayDraining
+from shared.errors import GatewayDraining, RemoteError
+from shared.protocol import ErrorEvent, constraint_kind
 from shared.queue.key_limits import LimitCharge
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -246,6 +248,8 @@ async def _generate(
     indices = [choice.index for choice in plan.work.choices]
     handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
     if body.stream:
+        if _worker_checks_grammar(plan) and not await _checked_before_streaming(handle, receive):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         events = stream_events(
             handle,
             fmt,
@@ -260,6 +264,32 @@ async def _generate(
         work = collect_response(handle, fmt, indices=indices, choices_per_prompt=body.n)
         result = await unless_disconnected(work, receive)
     return _json_answer(result, handle)
+
+
+def _worker_checks_grammar(plan: RequestPlan[Generation]) -> bool:
+    """A regex, grammar, choice list, structural tag or JSON schema: the worker compiles it
+    before the engine runs, and refuses an invalid one as its first event."""
+    sampling = plan.work.choices[0].sampling
+    return (
+        constraint_kind(sampling) is not None
+        or sampling.json_schema is not None
+        or (sampling.json_schema_stored)
+    )
+
+
+async def _checked_before_streaming(handle: RequestHandle, receive: Receive) -> bool:
+    """Wait for the stream's first event, so that a worker's refusal (an invalid grammar)
+    is the request's 400 rather than an error event after a 200, as vLLM answers it.
+    False: the client left meanwhile. The handle is closed unless the stream goes on."""
+    async with contextlib.AsyncExitStack() as owner:
+        owner.push_async_exit(handle)
+        event = await unless_disconnected(handle.first(), receive)
+        if event is None:
+            return False
+        if isinstance(event, ErrorEvent):
+            raise RemoteError(event)
+        owner.pop_all()  # the stream response owns the handle now
+    return True
 
 
 def _prompt_tokens(plan: RequestPlan[Generation]) -> dict[int, int]:

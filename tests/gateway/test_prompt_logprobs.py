@@ -74,7 +74,6 @@ def test_chat_prompt_logprobs(client: TestClient, gateway: InProcessGateway) -> 
     ("path", "fields", "param"),
     [
         (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
-        (COMPLETIONS, {"echo": True, "stream": True}, None),
         (COMPLETIONS, {"prompt_logprobs": 1, "stream": True}, None),
         (CHAT, {"prompt_logprobs": 1, "stream": True}, None),
         (CHAT, {"prompt_logprobs": 21}, "prompt_logprobs"),
