@@ -331,22 +331,36 @@ def test_invalid_structured_outputs_are_400s(
     assert caught.value.body["param"] == param  # type: ignore[index]
 
 
-def test_an_invalid_grammar_in_a_stream_is_an_error_event(
+def test_an_invalid_grammar_in_a_stream_is_a_400_before_the_stream(
     client: openai.OpenAI, running: Running
 ) -> None:
-    """The worker checks the grammar: a stream has sent its 200 by then (as for every
-    worker-side error), so the 400 arrives as the stream's error event."""
-    stream = client.chat.completions.create(
-        model=running.model,
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=4,
-        stream=True,
-        extra_body={"structured_outputs": {"regex": "(unclosed"}},
-    )
-    with pytest.raises(openai.APIError) as caught:
-        list(stream)
+    """The worker checks the grammar before the engine runs; a constrained stream sends
+    its 200 only after that first event, so the refusal is the request's 400 (as vLLM)."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=running.model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            stream=True,
+            extra_body={"structured_outputs": {"regex": "(unclosed"}},
+        )
     assert caught.value.body["param"] == "structured_outputs.regex"  # type: ignore[index]
     assert caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_streamed_echo_equals_the_answer(client: openai.OpenAI, running: Running) -> None:
+    """A streamed ``echo`` with ``logprobs`` joins up to the non-streamed answer."""
+    fields: dict[str, Any] = {
+        "model": running.model, "prompt": "The river", "echo": True, "max_tokens": 3,
+        "logprobs": 1, "temperature": 0,
+    }  # fmt: skip
+    whole = client.completions.create(**fields).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**fields, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs or []]
+    assert whole.logprobs is not None and whole.logprobs.token_logprobs is not None
+    assert streamed[0] is None and whole.logprobs.token_logprobs[0] is None
+    assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def test_allowed_and_stop_token_ids_reach_the_sampler(running: Running) -> None:
@@ -417,3 +431,27 @@ def test_a_custom_role_and_template_kwargs(client: openai.OpenAI, running: Runni
         f"{running.base_url}/detokenize", json={"model": running.model, "tokens": ids}
     ).json()["prompt"]
     assert "narrator" in rendered
+
+
+def test_chat_batch_answers_each_conversation_as_a_chat_completion(
+    client: openai.OpenAI, running: Running
+) -> None:
+    """vLLM's ``/v1/chat/completions/batch``: choice ``i`` is what a greedy chat
+    completion of conversation ``i`` answers, and the usage adds up."""
+    conversations = [MESSAGES, [{"role": "user", "content": "Name a river."}]]
+    fields: dict[str, Any] = {"model": running.model, "max_tokens": 6, "temperature": 0}
+    singles = [
+        client.chat.completions.create(messages=messages, **fields)  # type: ignore[arg-type]
+        for messages in conversations
+    ]
+    response = httpx.post(
+        f"{running.base_url}/v1/chat/completions/batch",
+        json={**fields, "messages": conversations},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    batch = response.json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for choice, single in zip(batch["choices"], singles, strict=True):
+        assert choice["message"]["content"] == single.choices[0].message.content
+    assert batch["usage"]["prompt_tokens"] == sum(s.usage.prompt_tokens for s in singles if s.usage)
