@@ -162,6 +162,7 @@ class ChatWriter(ResponseWriter):
         output: OutputParser | None = None,
         tokens_as_ids: bool = False,
         echo: str | None = None,
+        role: str = "assistant",
     ) -> None:
         super().__init__(
             request_id,
@@ -175,11 +176,14 @@ class ChatWriter(ResponseWriter):
         self._outputs: dict[int, ChoiceOutput] = {}
         self._echo = echo or ""
         """vLLM's chat ``echo``: the last message's text, before each choice's content."""
+        self._role = role
+        """The answer's role: vLLM's is the last message's with ``add_generation_prompt``
+        false (the model continues that turn)."""
 
     def start_chunk(self, index: int) -> Json:
         """The role chunk; the stream's first one carries the prompt ids (vLLM: one chat
         prompt per request, sent once)."""
-        delta = {"role": "assistant", "content": self._echo}
+        delta = {"role": self._role, "content": self._echo}
         body = self.chunk([_chat_choice(index, delta, None, None)])
         if self.with_token_ids and not self._prompt_sent:
             self._prompt_sent.add(index)
@@ -224,6 +228,7 @@ class ChatWriter(ResponseWriter):
             message = output_parsing.message(parsed)
             if reason is not None:
                 reason = output_parsing.finish_reason(reason, bool(parsed.calls))
+        message["role"] = self._role
         if self._echo:
             message["content"] = self._echo + (message.get("content") or "")
         logprobs = self._chat_logprobs(choice.logprobs) if self.with_logprobs else None

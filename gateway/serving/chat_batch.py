@@ -189,6 +189,7 @@ async def _collect(
         output=parser,
         tokens_as_ids=body.return_tokens_as_token_ids,
         echo=body.echoed(),
+        role=endpoints.answer_role(body),
     )
     return await collect_response(handle, fmt, indices=[0], choices_per_prompt=1)
 

@@ -97,6 +97,7 @@ async def chat_completions(
         output=parser,
         tokens_as_ids=body.return_tokens_as_token_ids,
         echo=body.echoed(),
+        role=answer_role(body),
     )
     return await _generate(state, plan, body, fmt, receive)
 
@@ -126,6 +127,12 @@ async def embeddings(
     async with handle:
         result = await unless_disconnected(collect_embeddings(handle, body, plan.model), receive)
     return _json_answer(result, handle)
+
+
+def answer_role(body: ChatCompletionRequest) -> str:
+    """vLLM's rule: ``assistant``, or with ``add_generation_prompt: false`` the last
+    message's role (the model continues that turn)."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
 
 
 # -------------------------------------------------------------------------- plans

@@ -129,3 +129,17 @@ async def test_plain_streams_do_not_wait_for_the_worker(gateway: LiveGateway) ->
     async with gateway.call(CHAT, {**BODIES[CHAT], "stream": True}) as call:
         assert await call.start() == 200
         call.leave()
+
+
+async def test_without_a_generation_prompt_the_answer_continues_the_last_role(
+    gateway: LiveGateway,
+) -> None:
+    """vLLM's rule: with ``add_generation_prompt: false`` the answer's role is the last
+    message's (the model continues that turn), streamed or not."""
+    body = {**BODIES[CHAT], "add_generation_prompt": False}
+    answer = (await gateway.client.post(CHAT, json=body)).json()
+    assert answer["choices"][0]["message"]["role"] == "user"
+    streamed = await gateway.client.post(CHAT, json={**body, "stream": True})
+    assert chunks(streamed.text)[0]["choices"][0]["delta"]["role"] == "user"
+    plain = (await gateway.client.post(CHAT, json=BODIES[CHAT])).json()
+    assert plain["choices"][0]["message"]["role"] == "assistant"
