@@ -124,7 +124,14 @@ def _requests(lm: Any, arguments: Any, task: str) -> list[Any]:
     args = [list(row.values()) if isinstance(row, dict) else list(row) for row in rows]
     if task == LOGLIKELIHOOD:
         return [list(lm._encode_pair(context, continuation)) for context, continuation in args]
-    return [json.loads(row[0]) if isinstance(row[0], str) else row[0] for row in args]
+    return [json.loads(_first_text(row)) for row in args]
+
+
+def _first_text(value: Any) -> str:
+    """A generation request's context: the chat messages as JSON text (however nested)."""
+    while not isinstance(value, str):
+        value = value[0]
+    return value
 
 
 def to_json(runs: dict[str, TaskRun]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,11 @@ def chat_prompt(running: Running, messages: list[dict[str, str]]) -> list[int]:
     return tokens
 
 
+@pytest.mark.timeout(900)  # a harness process and an offline engine: minutes on a busy box
 def test_lm_eval_scores_equal_offline_vllm(running: Running, tmp_path: Path) -> None:
+    started = time.monotonic()
     runs = lm_eval_runs(running, tmp_path / "runs.json")
+    harness_s = time.monotonic() - started
     scored, generated = runs[LOGLIKELIHOOD], runs[GENERATION]
     docs = sorted(scored["requests"], key=int)
     assert len(docs) == DOCS_PER_TASK
@@ -76,6 +80,7 @@ def test_lm_eval_scores_equal_offline_vllm(running: Running, tmp_path: Path) -> 
             "seed": SEED,
         },
     )
+    print(f"lm-eval: {harness_s:.1f}s; offline vLLM: {time.monotonic() - started - harness_s:.1f}s")
     theirs = iter(reference["scored"])
     correct = 0
     for doc in docs:
