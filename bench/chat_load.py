@@ -113,7 +113,9 @@ async def send_turn(
         async for chunk in stream:
             _on_chunk(chunk, time.perf_counter(), result, parts)
     except (openai.OpenAIError, OSError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        cause = exc.__cause__ or exc.__context__
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        result.error = f"{type(exc).__name__}: {exc}{why}"[:300]
     finally:
         result.end = time.perf_counter()
         result.text = "".join(parts)

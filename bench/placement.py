@@ -30,7 +30,13 @@ from pathlib import Path
 from bench.chat_load import Message, TurnResult, new_client, run_plan, send_turn
 from bench.conversations import KINDS, Plan, WorkloadSpec, make_plan, words_text
 from bench.placement_report import VariantResult, print_table, summarize, write_json
-from bench.placement_stack import FakeTiming, StackSpec, conveyor_stack, ensure_model
+from bench.placement_stack import (
+    FakeTiming,
+    StackSpec,
+    conveyor_stack,
+    ensure_model,
+    wait_for_workers,
+)
 from bench.placement_stack import fake_kv_blocks as size_kv
 from bench.prompts import PromptFactory
 from bench.report import source_state
@@ -79,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-tokens", type=int, default=None, help="default: 16 fake, 128 vLLM (CPU)")
     add("--kv-fleet-share", type=float, default=2.0, help="fake: fleet KV / working set")
     add("--fake-kv-blocks", type=int, default=None, help="fake: KV blocks per worker")
+    add("--fake-speedup", type=float, default=1.0, help="fake: step times are divided by it")
     add("--startup-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=None)
     add("--json-out", type=Path, default=None)
@@ -129,12 +136,12 @@ def warm_up_and_probe(bench: Bench, server: ManagedServer, into: VariantResult) 
     tokens minus that of 16 tokens, one at a time, best of three."""
     warm = make_plan(
         WorkloadSpec(
-            conversations=bench.args.workers,
+            conversations=2 * bench.args.workers,
             turns=2,
             tenants=1,
-            system_tokens=64,
-            user_tokens=(16, 32),
-            output_tokens=4,
+            system_tokens=256,
+            user_tokens=(64, 128),
+            output_tokens=8,
             think_s=(0.0, 0.0),
             seed=-1,
         ),
@@ -195,24 +202,10 @@ def run(args: argparse.Namespace) -> int:
     spec = stack_spec(args, plans[0], model, log_dir)
     heading = describe(args, plans[0], spec)
     print("\n".join(heading), flush=True)
-    variants, servers = [], []
-    for number, item in enumerate(args.variant):
-        name, _, env = item.partition(":")
-        redis_url = with_db(args.redis_url, VARIANT_DB + number)
-        drop_stale_jobs(redis_url, args.served_model_name)
-        overrides = parse_env(env)
-        servers.append(conveyor_stack(spec, redis_url, name, overrides))
-        variants.append(VariantResult(name, overrides))
-    pairs = list(zip(servers, variants, strict=True))
-    for group in [pairs] if args.interleave else [[pair] for pair in pairs]:
-        with contextlib.ExitStack() as stack:
-            for server, into in group:
-                print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
-                stack.enter_context(running(server, args.startup_timeout))
-                warm_up_and_probe(bench, server, into)
-            for number in range(args.rounds):
-                for server, into in group:
-                    measure_round(bench, number, server, into)
+    stacks = [variant_stack(spec, args, number, item) for number, item in enumerate(args.variant)]
+    for group in [stacks] if args.interleave else [[stack] for stack in stacks]:
+        measure_group(bench, group)
+    variants = [into for _, _, into in stacks]
     heading.append(
         f"code under test: {source_state()}; bench wall time {time.monotonic() - started:.0f}s"
     )
@@ -224,8 +217,43 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.errors == 0 for v in variants for r in v.rounds) else 1
 
 
+Stack = tuple[ManagedServer, str, VariantResult]
+"""A variant's `conveyor up`, its Redis URL, and its results."""
+
+
+def variant_stack(spec: StackSpec, args: argparse.Namespace, number: int, item: str) -> Stack:
+    name, _, env = item.partition(":")
+    redis_url = with_db(args.redis_url, VARIANT_DB + number)
+    drop_stale_jobs(redis_url, args.served_model_name)
+    overrides = parse_env(env)
+    return (
+        conveyor_stack(spec, redis_url, name, overrides),
+        redis_url,
+        VariantResult(name, overrides),
+    )
+
+
+def measure_group(bench: Bench, group: list[Stack]) -> None:
+    """Start every stack of ``group``, wait for all their workers, warm each up, then run
+    the rounds, alternating between the stacks."""
+    args = bench.args
+    with contextlib.ExitStack() as stack:
+        for server, _, _ in group:
+            print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
+            stack.enter_context(running(server, args.startup_timeout))
+        for _, redis_url, _ in group:
+            wait_for_workers(redis_url, args.served_model_name, args.workers, args.startup_timeout)
+        for server, _, into in group:
+            warm_up_and_probe(bench, server, into)
+        for number in range(args.rounds):
+            for server, _, into in group:
+                measure_round(bench, number, server, into)
+
+
 def stack_spec(args: argparse.Namespace, plan: Plan, model: Path, log_dir: Path) -> StackSpec:
-    timing = dataclasses.replace(FakeTiming(), block_tokens=args.block_tokens)
+    timing = dataclasses.replace(
+        FakeTiming(), block_tokens=args.block_tokens, speedup=args.fake_speedup
+    )
     blocks = args.fake_kv_blocks or size_kv(
         plan.working_set_tokens(), args.block_tokens, args.workers, args.kv_fleet_share
     )
@@ -258,7 +286,8 @@ def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]
         lines.append(
             f"fake timing: step {t.step_base_ms} ms + {t.step_per_seq_us} us/sequence + "
             f"{t.prefill_per_token_us} us/uncached prompt token (chunks of "
-            f"{t.prefill_chunk_tokens}); KV {spec.fake_kv_blocks} blocks per worker = "
+            f"{t.prefill_chunk_tokens}), divided by {t.speedup}; KV {spec.fake_kv_blocks} "
+            "blocks per worker = "
             f"{per_worker / working:.2f} of the working set ({working} tokens), fleet "
             f"{per_worker * args.workers / working:.2f}x"
         )

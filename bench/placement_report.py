@@ -133,7 +133,7 @@ def print_table(variants: Sequence[VariantResult], heading: Sequence[str]) -> No
         line = f"{label:<18}" + "".join(f"{_fmt(x, digits):>12}" for x in values)
         if pair:
             ratio = values[1] / values[0] if values[0] else math.nan
-            line += f"{_fmt(ratio, 2) + 'x':>12}"
+            line += f"{'n/a' if math.isnan(ratio) else f'{ratio:.2f}x':>12}"
         print(line)
     print(f"{'errors':<18}" + "".join(f"{sum(r.errors for r in v.rounds):>12}" for v in variants))
     print(

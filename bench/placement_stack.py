@@ -8,14 +8,19 @@ so one worker's cache holds only a fraction of it and placement decides the hits
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from bench.servers import ManagedServer, free_port
 from shared.demo.model import DemoShape, write_demo_model
+from shared.queue import names
 
 PREFILL_SHAPE = DemoShape(
     hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, max_positions=8192
@@ -34,6 +39,9 @@ class FakeTiming:
     prefill_per_token_us: float = 35.0
     prefill_chunk_tokens: int = 8192
     block_tokens: int = 16
+    speedup: float = 1.0
+    """Below 1 slows every step (e.g. 0.25: four times slower), so that on a small
+    machine the simulated engines, not the CPU, set the latencies."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,4 +103,26 @@ def _fake_flags(timing: FakeTiming, kv_blocks: int) -> list[str]:
         str(timing.block_tokens),
         "--fake-kv-blocks",
         str(kv_blocks),
+        "--fake-speedup",
+        str(timing.speedup),
     ]
+
+
+def live_workers(redis_url: str, served_name: str) -> int:
+    """Workers of ``served_name`` with a heartbeat in the db of ``redis_url``."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+        beats = [json.loads(value) for value in (client.mget(keys) if keys else []) if value]
+    finally:
+        client.close()
+    return sum(beat.get("model") == served_name for beat in beats)
+
+
+def wait_for_workers(redis_url: str, served_name: str, count: int, timeout_s: float) -> None:
+    """The gateway is ready with one worker; a fleet is measured with all of them."""
+    deadline = time.monotonic() + timeout_s
+    while live_workers(redis_url, served_name) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} workers of {served_name} not up after {timeout_s:.0f}s")
+        time.sleep(0.5)
