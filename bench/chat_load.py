@@ -14,12 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import httpx2
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from bench.conversations import ConversationPlan, Plan, words_text
 
 Message = dict[str, str]
+CONNECTION_LIMITS = httpx2.Limits(
+    max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0
+)
+"""The openai client's limits, but idle connections are dropped after 2 s, before the
+gateway's 5 s keep-alive closes them: a request sent on a connection the server is
+closing at that moment fails with a ReadError (seen under load)."""
 
 
 @dataclass(slots=True)
@@ -46,7 +53,7 @@ def new_client(base_url: str, api_key: str | None = None) -> openai.AsyncOpenAI:
         max_retries=0,
         timeout=600.0,
         # never route loopback traffic through a proxy from the environment
-        http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+        http_client=openai.DefaultAsyncHttpxClient(trust_env=False, limits=CONNECTION_LIMITS),
     )
 
 

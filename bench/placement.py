@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
 import random
 import signal
 import sys
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine", choices=["fake", "vllm"], default="fake")
     add("--workers", type=int, default=None, help="default: 8 fake, 2 vLLM")
     add("--workload", choices=KINDS, default="multi-turn")
-    add("--conversations", type=int, default=None, help="default: 4 per fake worker; 16")
+    add("--conversations", type=int, default=None, help="default: 2 per fake worker; 16")
     add("--turns", type=int, default=6, help="turns per conversation (skew: on average)")
     add("--tenants", type=int, default=None, help="default: 1 per 2 fake workers; 4")
     add("--system-tokens", type=int, default=1000, help="each tenant's system prompt")
@@ -99,8 +100,9 @@ def resolve(args: argparse.Namespace) -> None:
     if args.quick:
         args.turns, args.output_tokens, args.rounds = 3, 16, 1
         args.think_s = [0.1, 0.5]
-        args.conversations = args.conversations or (2 * args.workers if fake else 6)
-    args.conversations = args.conversations or (4 * args.workers if fake else 16)
+        args.conversations = args.conversations or (args.workers if fake else 6)
+    # 2 per worker: more saturates the CPU of a small machine before the simulated engines
+    args.conversations = args.conversations or (2 * args.workers if fake else 16)
     args.tenants = args.tenants or (max(2, args.workers // 2) if fake else 4)
     args.block_tokens = args.block_tokens or (
         FakeTiming().block_tokens if fake else VLLM_CPU_BLOCK_TOKENS
@@ -149,7 +151,8 @@ def warm_up_and_probe(bench: Bench, server: ManagedServer, into: VariantResult) 
     )
     asyncio.run(run_plan(server.base_url, bench.args.served_model_name, warm, bench.words))
     ttft = asyncio.run(_probe(bench, server))
-    into.prefill_probe_ms = (ttft[PROBE_TOKENS[1]] - ttft[PROBE_TOKENS[0]]) * 1000
+    short, long = (ttft.get(tokens, math.nan) for tokens in PROBE_TOKENS)
+    into.prefill_probe_ms = (long - short) * 1000  # NaN when a probe failed
     print(f"  {server.name}: warm; 2k-token prefill {into.prefill_probe_ms:.0f} ms", flush=True)
 
 
