@@ -238,7 +238,7 @@ def variant_stack(spec: StackSpec, args: argparse.Namespace, number: int, item: 
 
 def measure_group(bench: Bench, group: list[Stack]) -> None:
     """Start every stack of ``group``, wait for all their workers, warm each up, then run
-    the rounds, alternating between the stacks."""
+    the rounds, alternating between the stacks (each round in the other order)."""
     args = bench.args
     with contextlib.ExitStack() as stack:
         for server, _, _ in group:
@@ -249,7 +249,10 @@ def measure_group(bench: Bench, group: list[Stack]) -> None:
         for server, _, into in group:
             warm_up_and_probe(bench, server, into)
         for number in range(args.rounds):
-            for server, _, into in group:
+            # ABBA order: whichever stack runs second in a round measured slower (it
+            # meets the first one's after-load), so each variant goes first in turn
+            order = group if number % 2 == 0 else group[::-1]
+            for server, _, into in order:
                 measure_round(bench, number, server, into)
 
 
