@@ -33,6 +33,11 @@ class PromptFactory:
             raise RuntimeError(f"too few one-token words in the tokenizer of {model_dir}")
 
     @property
+    def words(self) -> list[str]:
+        """Words that are one token each, with their leading space."""
+        return [text for text, _ in self._words]
+
+    @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 

@@ -2,8 +2,11 @@
 
 The first core stays free for the event loops (gateway, workers, Redis); the
 rest are split into contiguous, disjoint slices, one per engine worker, so two
-engines never bind their OpenMP threads to the same cores. With fewer cores
-than engines, engines share single cores round-robin. GPU workers ignore it.
+engines never bind their OpenMP threads to the same cores. With exactly as many
+cores as engines, each engine gets a core of its own, the first included: two
+engines sharing one core would halve each engine's speed, while the event loops
+need only a fraction of a core. With more engines than cores, engines share
+single cores round-robin. GPU workers ignore it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ def available_cores() -> list[int]:
 
 
 def engine_core_slices(cores: list[int], engines: int) -> list[list[int]]:
-    """``engines`` slices of ``cores`` minus the first (all of them on a 1-core box)."""
+    """``engines`` slices of ``cores`` minus the first (all of them on a 1-core box, and
+    one core each when there are exactly as many cores as engines)."""
     usable = cores[1:] or cores
     if engines <= 0:
         return []
+    if engines == len(cores):
+        return [[core] for core in cores]
     if len(usable) < engines:
         return [[usable[i % len(usable)]] for i in range(engines)]
     size, extra = divmod(len(usable), engines)

@@ -7,7 +7,7 @@
   locally on the Python standard library sources plus a short English paragraph, so any
   UTF-8 text round-trips. Special tokens: ``<unk> <s> </s> <pad> <|im_start|> <|im_end|>``.
 * a ChatML chat template (``<|im_start|>role\\ncontent<|im_end|>\\n``).
-* ``config.json`` / ``generation_config.json`` / ``model.safetensors``: a 2-layer
+* ``config.json`` / ``generation_config.json`` / ``model.safetensors``: by default a 2-layer
   Llama (hidden 256, head_dim 64) with seeded random float32 weights. Both ``</s>`` and
   ``<|im_end|>`` are end-of-generation tokens.
 * ``conveyor-demo.json``: a marker written last; its presence means the folder is complete.
@@ -36,13 +36,16 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
 __all__ = [
+    "DEFAULT_SHAPE",
     "DEMO_MODEL_NOTICE",
     "KINDS",
     "MARKER_FILE",
+    "DemoShape",
     "is_demo_model",
     "write_demo_model",
 ]
@@ -168,11 +171,20 @@ def _train_tokenizer() -> Any:
 
 # --- model -------------------------------------------------------------------------------
 
-HIDDEN_SIZE: Final = 256
-INTERMEDIATE_SIZE: Final = 512
-NUM_LAYERS: Final = 2
-NUM_HEADS: Final = 4  # head_dim = 64: vLLM's CPU attention needs head_dim >= 64
-MAX_POSITIONS: Final = 2048
+
+@dataclass(frozen=True, slots=True)
+class DemoShape:
+    """The text model's size. Keep ``hidden_size / num_heads >= 64``: vLLM's CPU
+    attention needs head_dim >= 64."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 4
+    max_positions: int = 2048
+
+
+DEFAULT_SHAPE: Final = DemoShape()
 # Large init std makes the logits peaked (std ~ sqrt(hidden) * 0.2 ~ 3), so greedy decoding
 # is not decided by float near-ties and is stable across kernels / batch shapes.
 INIT_STD: Final = 0.2
@@ -183,7 +195,14 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _write_model(
-    out: Path, *, seed: int, vocab_size: int, bos_id: int, eos_ids: list[int], pad_id: int
+    out: Path,
+    *,
+    seed: int,
+    shape: DemoShape,
+    vocab_size: int,
+    bos_id: int,
+    eos_ids: list[int],
+    pad_id: int,
 ) -> None:
     import torch
     import transformers
@@ -195,14 +214,14 @@ def _write_model(
     dtype_key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     kwargs: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_HEADS,
-        "head_dim": HIDDEN_SIZE // NUM_HEADS,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": shape.max_positions,
         "initializer_range": INIT_STD,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
@@ -225,13 +244,13 @@ def _write_model(
     # The state dict is built directly (not through LlamaForCausalLM's initializer, whose
     # details change between transformers releases) so a seed always gives the same bytes.
     gen = torch.Generator().manual_seed(seed)
-    h, i, v = HIDDEN_SIZE, INTERMEDIATE_SIZE, vocab_size
+    h, i, v = shape.hidden_size, shape.intermediate_size, vocab_size
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen)
 
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h)}
-    for layer in range(NUM_LAYERS):
+    for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
         tensors[p + "input_layernorm.weight"] = torch.ones(h)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -250,8 +269,11 @@ def _write_model(
 # --- public API --------------------------------------------------------------------------
 
 
-def _marker(seed: int, kind: str) -> dict[str, Any]:
-    return {"kind": kind, "version": MARKER_VERSION, "seed": seed}
+def _marker(seed: int, kind: str, shape: DemoShape) -> dict[str, Any]:
+    marker: dict[str, Any] = {"kind": kind, "version": MARKER_VERSION, "seed": seed}
+    if shape != DEFAULT_SHAPE:  # the default's marker stays as it was: no regeneration
+        marker["shape"] = asdict(shape)
+    return marker
 
 
 def _read_marker(target: Path) -> dict[str, Any] | None:
@@ -271,11 +293,13 @@ def is_demo_model(path: Path | str, kind: str | None = None) -> bool:
     return kind is None or marker.get("kind") == kind
 
 
-def _is_current(target: Path, seed: int, kind: str) -> bool:
-    return _read_marker(target) == _marker(seed, kind)
+def _is_current(target: Path, seed: int, kind: str, shape: DemoShape) -> bool:
+    return _read_marker(target) == _marker(seed, kind, shape)
 
 
-def write_demo_model(target: Path, *, seed: int = 0, kind: str = "llama") -> Path:
+def write_demo_model(
+    target: Path, *, seed: int = 0, kind: str = "llama", shape: DemoShape = DEFAULT_SHAPE
+) -> Path:
     """Generate (idempotently) a tiny random model + tokenizer + chat template at `target`.
 
     ``kind`` is one of :data:`KINDS`: ``"llama"`` (text), ``"llava"`` or ``"qwen2-vl"``
@@ -284,12 +308,15 @@ def write_demo_model(target: Path, *, seed: int = 0, kind: str = "llama") -> Pat
     is written into a temporary sibling directory that is renamed onto ``target`` at the
     end, so a crash never leaves a half-written model. An existing demo model of another
     kind/seed/version is replaced; a non-empty directory that is not a demo model raises
-    ``FileExistsError``.
+    ``FileExistsError``. ``shape`` sizes the text model (``kind="llama"`` only; benchmarks
+    that need a slower prefill use a larger one).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown demo model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind != "llama" and shape != DEFAULT_SHAPE:
+        raise ValueError("a demo model shape applies to kind 'llama' only")
     target = Path(target)
-    if _is_current(target, seed, kind):
+    if _is_current(target, seed, kind, shape):
         return target
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory")
@@ -300,14 +327,14 @@ def write_demo_model(target: Path, *, seed: int = 0, kind: str = "llama") -> Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)
-        _write_all(tmp, seed=seed, kind=kind)
-        _install(tmp, target, seed, kind)
+        _write_all(tmp, seed=seed, kind=kind, shape=shape)
+        _install(tmp, target, seed, kind, shape)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _write_all(out: Path, *, seed: int, kind: str) -> None:
+def _write_all(out: Path, *, seed: int, kind: str, shape: DemoShape) -> None:
     from transformers import PreTrainedTokenizerFast
 
     from shared.demo.vision_model import TokenIds, chat_template, vision_spec
@@ -332,7 +359,7 @@ def _write_all(out: Path, *, seed: int, kind: str) -> None:
         pad_token=PAD,
         additional_special_tokens=additional,
         clean_up_tokenization_spaces=False,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=shape.max_positions,
         padding_side="left",
     )
     fast.chat_template = template
@@ -342,6 +369,7 @@ def _write_all(out: Path, *, seed: int, kind: str) -> None:
         _write_model(
             out,
             seed=seed,
+            shape=shape,
             vocab_size=vocab_size,
             bos_id=ids[BOS],
             eos_ids=eos_ids,
@@ -360,7 +388,8 @@ def _write_all(out: Path, *, seed: int, kind: str) -> None:
         write_vision_model(out, kind=kind, seed=seed, tokenizer=fast, ids=token_ids)
     _normalize_tokenizer_config(out / "tokenizer_config.json", additional, template)
     # Written last: its presence means the folder is complete.
-    (out / MARKER_FILE).write_text(json.dumps(_marker(seed, kind)) + "\n", encoding="utf-8")
+    marker = _marker(seed, kind, shape)
+    (out / MARKER_FILE).write_text(json.dumps(marker) + "\n", encoding="utf-8")
 
 
 def _normalize_tokenizer_config(path: Path, additional: list[str], template: str) -> None:
@@ -380,11 +409,11 @@ def _normalize_tokenizer_config(path: Path, additional: list[str], template: str
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _install(tmp: Path, target: Path, seed: int, kind: str) -> None:
+def _install(tmp: Path, target: Path, seed: int, kind: str, shape: DemoShape) -> None:
     """Atomically move the finished folder ``tmp`` to ``target``."""
     old: Path | None = None
     if target.is_dir() and any(target.iterdir()):
-        if _is_current(target, seed, kind):  # a concurrent writer finished first
+        if _is_current(target, seed, kind, shape):  # a concurrent writer finished first
             return
         # An outdated demo model: move it aside, then swap the new one in.
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -392,7 +421,7 @@ def _install(tmp: Path, target: Path, seed: int, kind: str) -> None:
     try:
         os.replace(tmp, target)  # atomic; also succeeds onto an empty directory
     except OSError:
-        if not _is_current(target, seed, kind):  # lost a race to another writer?
+        if not _is_current(target, seed, kind, shape):  # lost a race to another writer?
             raise
     finally:
         if old is not None:

@@ -406,3 +406,18 @@ def test_cli_kind(tmp_path: Path) -> None:
     assert is_demo_model(tmp_path / "q", "qwen2-vl")
     with pytest.raises(SystemExit):
         main(["demo-model", str(tmp_path / "z"), "--kind", "gpt"])
+
+
+def test_a_larger_shape_is_recorded_in_the_marker_the_default_is_not() -> None:
+    from shared.demo.model import DEFAULT_SHAPE, DemoShape, _marker
+
+    assert _marker(0, "llama", DEFAULT_SHAPE) == {"kind": "llama", "version": 1, "seed": 0}
+    bigger = DemoShape(hidden_size=512, num_heads=8, max_positions=8192)
+    assert _marker(0, "llama", bigger)["shape"]["hidden_size"] == 512
+
+
+def test_a_shape_applies_to_the_text_model_only(tmp_path: Path) -> None:
+    from shared.demo.model import DemoShape
+
+    with pytest.raises(ValueError, match="shape"):
+        write_demo_model(tmp_path / "model", kind="llava", shape=DemoShape(num_layers=3))

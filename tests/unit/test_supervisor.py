@@ -112,7 +112,9 @@ def test_boolean_settings_are_bare_flags() -> None:
     ("cores", "engines", "slices"),
     [
         ([0, 1], 1, [[1]]),
-        ([0, 1], 2, [[1], [1]]),  # one free core: the engines share it
+        ([0, 1], 2, [[0], [1]]),  # as many cores as engines: one each, the first too
+        ([0, 1], 3, [[1], [1], [1]]),  # more engines than cores: they share the free one
+        ([0, 1, 2, 3], 4, [[0], [1], [2], [3]]),
         ([0, 1, 2, 3], 1, [[1, 2, 3]]),
         ([0, 1, 2, 3], 2, [[1, 2], [3]]),
         ([0, 1, 2, 3, 4, 5, 6, 7, 8], 4, [[1, 2], [3, 4], [5, 6], [7, 8]]),
@@ -120,7 +122,7 @@ def test_boolean_settings_are_bare_flags() -> None:
         ([0, 1], 0, []),
     ],
 )
-def test_engine_core_slices_keep_the_first_core_free_and_never_overlap(
+def test_engine_core_slices_keep_the_first_core_free_unless_each_engine_gets_one(
     cores: list[int], engines: int, slices: list[list[int]]
 ) -> None:
     from shared.cpu_cores import engine_core_slices
