@@ -93,11 +93,12 @@ class PrefixIndex:
             return {}
         tokens = tuple(token_ids)
         holders = self._holders.get
+        name_of = hash  # shared.block_hashes.block_names, inlined: this loop is the cost
         name = chain_seed(model, lora)
         matched: dict[str, int] = {}
         depth = 0
         for start in range(0, prompt_blocks(len(tokens), size) * size, size):
-            name = hash((name, tokens[start : start + size]))
+            name = name_of((name, tokens[start : start + size]))
             now = holders(name, 0) & held
             if now != held:
                 _record(matched, masks, held & ~now, depth)
