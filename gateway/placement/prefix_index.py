@@ -115,6 +115,8 @@ class PrefixIndex:
         """Apply one batch; False when it cannot be (a batch before it is missing, or the
         worker is unknown here): the worker's blocks wait for its snapshot."""
         worker = self._workers.get(batch.worker_id)
+        if worker is not None and worker.seq is not None and batch.seq <= worker.seq:
+            return True  # already applied (read again, or included in the snapshot)
         if batch.seq == 0:
             worker = self._fresh(batch.worker_id, batch.model, batch.block_size)
         elif worker is None:
@@ -122,8 +124,6 @@ class PrefixIndex:
             return False
         elif worker.seq is None:
             return False
-        elif batch.seq <= worker.seq:
-            return True  # already applied (read again, or included in the snapshot)
         elif batch.seq != worker.seq + 1:
             self.gaps += 1
             log.info(

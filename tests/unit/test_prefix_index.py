@@ -170,6 +170,18 @@ def test_gap_drops_blocks_until_the_snapshot() -> None:
     assert index.match(MODEL, None, tokens(17), ["w1"]) == {"w1": 4}
 
 
+def test_batches_read_again_after_a_snapshot_change_nothing() -> None:
+    index = PrefixIndex()
+    first = KvBatch("w1", MODEL, SIZE, 0, [stored(tokens(8))])
+    second = KvBatch("w1", MODEL, SIZE, 1, [RemovedBlocks([1])])
+    mirror = EngineBlockMap(MODEL, SIZE)
+    mirror.store(stored(tokens(8)))
+    mirror.remove([1])
+    index.load(KvSnapshot("w1", MODEL, SIZE, 1, mirror.pairs()))  # a gateway starting
+    assert index.apply(first) and index.apply(second)  # the stream from its start
+    assert index.blocks_by_worker() == {"w1": 1}
+
+
 def test_old_snapshot_does_not_replace_newer_state() -> None:
     index = PrefixIndex()
     feed = Feed(index)
