@@ -43,21 +43,33 @@ class Fleet:
     memory_bytes: int
 
 
-def random_tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(count)]
+POOL_TOKENS = 1 << 20
 
 
-def fill(args: argparse.Namespace, rng: random.Random) -> Fleet:
+class Tokens:
+    """Random token ids, drawn as slices of one pool at random offsets: distinct blocks
+    without holding millions of int objects."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._pool = [rng.randrange(VOCAB) for _ in range(POOL_TOKENS)]
+
+    def take(self, count: int) -> list[int]:
+        start = self._rng.randrange(0, POOL_TOKENS - count)
+        return self._pool[start : start + count]
+
+
+def fill(args: argparse.Namespace, rng: random.Random, fresh: Tokens) -> Fleet:
     """Conversations stored on random workers, as their KV events say, until the index
     holds ``--blocks`` distinct blocks; memory counts only what the index allocated."""
-    tenants = [random_tokens(rng, TENANT_TOKENS) for _ in range(TENANTS)]
+    tenants = [fresh.take(TENANT_TOKENS) for _ in range(TENANTS)]
     workers = [f"worker-{i}" for i in range(args.workers)]
     seq = dict.fromkeys(workers, 0)
     conversations: list[list[int]] = []
     index = PrefixIndex(max_blocks=10 * args.blocks)
     tracemalloc.start()
     while index.blocks() < args.blocks:
-        tokens = rng.choice(tenants) + random_tokens(rng, rng.randrange(0, 3000))
+        tokens = rng.choice(tenants) + fresh.take(rng.randrange(0, 3000))
         conversations.append(tokens)
         worker = rng.choice(workers)
         full = len(tokens) // args.block_size * args.block_size
@@ -73,17 +85,17 @@ def fill(args: argparse.Namespace, rng: random.Random) -> Fleet:
     return Fleet(index, conversations, memory)
 
 
-def prompts(args: argparse.Namespace, fleet: Fleet, rng: random.Random) -> list[list[int]]:
+def prompts(
+    args: argparse.Namespace, fleet: Fleet, rng: random.Random, fresh: Tokens
+) -> list[list[int]]:
     found = []
     while len(found) < args.requests:
         length = rng.randrange(1024, 4097)
         if rng.random() < 0.8:
             base = rng.choice(fleet.conversations)[:length]
-            prompt = base + random_tokens(
-                rng, max(0, length - len(base)) or rng.randrange(100, 300)
-            )
+            prompt = base + fresh.take(max(0, length - len(base)) or rng.randrange(100, 300))
         else:
-            prompt = random_tokens(rng, length)
+            prompt = fresh.take(length)
         found.append(prompt[:4096])
     return found
 
@@ -105,10 +117,11 @@ def candidates(args: argparse.Namespace, rng: random.Random) -> list[Candidate]:
 def run(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     started = time.perf_counter()
-    fleet = fill(args, rng)
+    fresh = Tokens(rng)
+    fleet = fill(args, rng, fresh)
     filled_s = time.perf_counter() - started
     placer = CachePlacer(fleet.index, rng=random.Random(args.seed))
-    todo = prompts(args, fleet, rng)
+    todo = prompts(args, fleet, rng, fresh)
     fleets = [candidates(args, rng) for _ in range(64)]
     times_us: list[float] = []
     cpu_us: list[float] = []

@@ -102,10 +102,14 @@ class CachePlacer:
         return placement
 
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
+        busy_waiting, busy_kv = self.policy.busy_waiting, self.policy.busy_kv_usage
+        lora = request.lora
         free = [
             c
             for c in candidates
-            if (request.lora is None or request.lora in c.adapters) and not self.policy.busy(c)
+            if (lora is None or lora in c.adapters)
+            and c.waiting < busy_waiting
+            and c.kv_usage < busy_kv
         ]
         if not free:
             return Placement(None, PlacementReason.SHARED)

@@ -174,3 +174,20 @@ async def test_dead_workers_are_dropped(redis_backend: aioredis.Redis) -> None:
             return reader.entries == 2 and index.blocks_by_worker() == {"w1": 2}
 
         await eventually(dropped, what="w2 dropped, w1 kept")
+
+
+async def test_a_failing_engine_feed_takes_the_worker_out_of_the_index(
+    redis_backend: aioredis.Redis,
+) -> None:
+    async def broken() -> AsyncIterator[list[KvEvent]]:
+        yield [stored(0, 4)]
+        raise RuntimeError("the engine's event socket broke")
+
+    writer = KvEventWriter(redis_backend, "w1")
+    forwarder = KvEventForwarder(writer, KvEventFeed(SIZE, broken), MODEL, snapshot_s=60)
+    await forwarder.run()  # logs the failure and leaves
+    index = PrefixIndex()
+    reader = feeder(redis_backend, index)
+    for _, entry in await KvEventReader(redis_backend).read(b"0-0", block_ms=10):
+        await reader.apply(entry)
+    assert forwarder.batches == 1 and index.blocks_by_worker() == {}

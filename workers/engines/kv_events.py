@@ -5,7 +5,8 @@ keeps its own copy of what its engine caches (:class:`~shared.block_hashes.Engin
 and, every ``snapshot_s`` when it changed, writes it as the snapshot a gateway that lost
 a batch rebuilds from (unchanged: the snapshot's expiry is only renewed). A batch that
 cannot be written (Redis down) is not retried: readers see the gap and wait for the next
-snapshot. When the worker stops, it says so and deletes its snapshot.
+snapshot. When the worker stops (or its engine's events fail), it says so and deletes its
+snapshot.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class KvEventForwarder:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._forward())
                 group.create_task(self._snapshots())
+        except Exception:  # the gateways then drop this worker's blocks: placement by load
+            log.exception("KV events stopped; this worker's cache is no longer indexed")
         finally:
             with contextlib.suppress(RedisError, TimeoutError):
                 async with asyncio.timeout(LEAVE_TIMEOUT_S):
