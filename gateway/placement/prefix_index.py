@@ -24,9 +24,6 @@ from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot
 
 log = logging.getLogger(__name__)
 
-CHUNK_BLOCKS = 16
-"""Blocks of a prompt turned into a tuple at a time: a walk that stops early converts little."""
-
 
 @dataclass(slots=True)
 class _Worker:
@@ -99,19 +96,16 @@ class PrefixIndex:
         name = chain_seed(model, lora)
         matched: dict[str, int] = {}
         depth = 0
-        end = prompt_blocks(len(token_ids), size) * size
-        step = size * CHUNK_BLOCKS
-        for base in range(0, end, step):
-            chunk = tuple(token_ids[base : min(base + step, end)])  # only what is walked
-            for start in range(0, len(chunk), size):
-                name = name_of((name, chunk[start : start + size]))
-                now = holders(name, 0) & held
-                if now != held:
-                    _record(matched, masks, held & ~now, depth)
-                    held = now
-                    if not held:
-                        return matched
-                depth += 1
+        tokens = tuple(token_ids)
+        for start in range(0, prompt_blocks(len(tokens), size) * size, size):
+            name = name_of((name, tokens[start : start + size]))
+            now = holders(name, 0) & held
+            if now != held:
+                _record(matched, masks, held & ~now, depth)
+                held = now
+                if not held:
+                    return matched
+            depth += 1
         _record(matched, masks, held, depth)
         return matched
 

@@ -351,3 +351,36 @@ def test_on_placed_sees_every_decision() -> None:
     place.place(request(tokens(9)), [candidate("w1")])
     place.place(request(tokens(9)), [])
     assert seen == [PlacementReason.LOAD, PlacementReason.SHARED]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 200_000), min_size=SIZE, max_size=12 * SIZE),
+    st.lists(st.integers(1, 4), min_size=1, max_size=12),
+)
+def test_names_do_not_depend_on_how_blocks_are_batched(
+    token_ids: list[int], runs: list[int]
+) -> None:
+    """Stored in runs of any length, the blocks get the prompt's names, and a prompt that
+    is exactly the stored blocks plus one token matches all of them."""
+    full = len(token_ids) // SIZE
+    blocks = EngineBlockMap(MODEL, SIZE)
+    index = PrefixIndex()
+    feed = Feed(index)
+    first = 0
+    names: list[int] = []
+    for run in runs:
+        count = min(run, full - first)
+        if count <= 0:
+            break
+        parent = None if first == 0 else first - 1
+        event = StoredBlocks(
+            list(range(first, first + count)),
+            parent,
+            token_ids[first * SIZE : (first + count) * SIZE],
+        )
+        names += blocks.store(event)
+        feed.send("w1", event)
+        first += count
+    assert names == block_names(token_ids, SIZE, chain_seed(MODEL, None))[:first]
+    assert index.match(MODEL, None, [*token_ids[: first * SIZE], 7], ["w1"]).get("w1", 0) == first
