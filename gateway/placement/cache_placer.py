@@ -60,9 +60,6 @@ class CostPolicy:
             busy_kv_usage=settings.placement_busy_kv_usage,
         )
 
-    def busy(self, candidate: Candidate) -> bool:
-        return candidate.waiting >= self.busy_waiting or candidate.kv_usage >= self.busy_kv_usage
-
 
 OnPlaced = Callable[[PlacementRequest, Placement], None]
 
@@ -104,7 +101,7 @@ class CachePlacer:
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
         busy_waiting, busy_kv = self.policy.busy_waiting, self.policy.busy_kv_usage
         lora = request.lora
-        free = [
+        free = [  # may run it, and not busy
             c
             for c in candidates
             if (lora is None or lora in c.adapters)
