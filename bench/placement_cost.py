@@ -88,7 +88,7 @@ def fill(args: argparse.Namespace, rng: random.Random, fresh: Tokens) -> Fleet:
 def prompts(
     args: argparse.Namespace, fleet: Fleet, rng: random.Random, fresh: Tokens
 ) -> list[list[int]]:
-    found = []
+    found: list[list[int]] = []
     while len(found) < args.requests:
         length = rng.randrange(1024, 4097)
         if rng.random() < 0.8:
