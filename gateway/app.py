@@ -28,7 +28,7 @@ from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
-from gateway.state import GatewayState
+from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
 from shared.connections.url import shown_url
@@ -156,6 +156,8 @@ def build_state(
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
     cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
+    for cell in cells.all():
+        cell.placement = cache_placement(settings, cell.redis, metrics)
     return GatewayState(
         metrics=metrics,
         settings=settings,

@@ -14,6 +14,7 @@ from gateway.dispatch.cells import RedisCells
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
+from gateway.placement.cache_placement import CachePlacement, build_cache_placement
 from shared.settings import GatewaySettings
 
 
@@ -47,3 +48,12 @@ def _state(request: Request) -> GatewayState:
 
 
 StateDep = Annotated[GatewayState, Depends(_state)]
+
+
+def cache_placement(
+    settings: GatewaySettings, redis: aioredis.Redis, metrics: GatewayMetrics
+) -> CachePlacement:
+    """Cache-aware placement for the workers on ``redis`` (one per cell): its prefix index,
+    the feeder task that fills it, and the placer, which counts every decision in
+    ``metrics``."""
+    return build_cache_placement(settings, redis, on_placed=metrics.placement.observe)

@@ -351,6 +351,37 @@ class GatewaySettings(ImageSettings):
         "CONVEYOR_REDIS_URL). Models not listed, and the control plane, use CONVEYOR_REDIS_URL.",
     )
 
+    placement_prefill_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Cache-aware placement: weight of a worker's prefill work in its cost "
+        "(prompt blocks it does not cache plus its queued prefill, in KV blocks).",
+    )
+    placement_decode_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Cache-aware placement: weight of a worker's running sequences in its cost.",
+    )
+    placement_busy_waiting: int = Field(
+        2,
+        ge=1,
+        description="Cache-aware placement: a worker holding this many jobs not yet started "
+        "is busy and never chosen (affinity yields to load).",
+    )
+    placement_busy_kv_usage: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="Cache-aware placement: a worker whose KV cache is this full (0-1) is "
+        "busy and never chosen.",
+    )
+    placement_index_max_blocks: int = Field(
+        1_000_000,
+        ge=1,
+        description="Cache-aware placement: distinct KV blocks the gateway's prefix index "
+        "holds at most (about 200 bytes each); past it new blocks are not indexed.",
+    )
+
     @field_validator("model_redis_urls")
     @classmethod
     def _check_model_redis_urls(cls, value: str) -> str:
@@ -407,6 +438,17 @@ class WorkerSettings(ImageSettings):
         gt=0,
         description="Fake engine: every step time is divided by this (e.g. 10 simulates "
         "ten times faster engines on one box).",
+    )
+    kv_events: bool = Field(
+        True,
+        description="Publish the engine's KV cache events (blocks stored, removed, cleared) "
+        "to Redis for the gateways' cache-aware placement.",
+    )
+    kv_snapshot_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often a worker writes the snapshot of its cached blocks (when they "
+        "changed) that a gateway which lost KV events rebuilds from.",
     )
     kv_connector: str = Field(
         "NixlConnector", description="vLLM KV connector for prefill/decode workers."
@@ -533,6 +575,11 @@ class WorkerSettings(ImageSettings):
     def engine_arg_values(self) -> dict[str, Any]:
         """CONVEYOR_ENGINE_ARGS as a dict (field name -> value), empty when unset."""
         return engine_args_object(self.engine_args)
+
+    def publishes_kv_events(self) -> bool:
+        """Whether the worker forwards its engine's KV events: where placement uses the
+        cache (aggregated and prefill workers; decode jobs are placed by load)."""
+        return self.kv_events and self.role in (Role.AGGREGATED, Role.PREFILL)
 
 
 def engine_args_object(text: str) -> dict[str, Any]:

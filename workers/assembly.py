@@ -14,12 +14,15 @@ import redis.asyncio as aioredis
 
 from shared.queue import names
 from shared.queue.job_queue import JobQueue, JobStream
+from shared.queue.kv_events import KvEventWriter
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
 from shared.settings import WorkerSettings
 from workers.commands.admin import WorkerAdmin
 from workers.commands.listener import CommandListener
 from workers.commands.lora_sync import LoraReconciler, LoraTiming
+from workers.engines.base import PublishesKvEvents
+from workers.engines.kv_events import KvEventForwarder
 from workers.health.canary import Canary
 from workers.health.status import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
@@ -37,7 +40,7 @@ from workers.intake.recent_cancels import RecentCancels
 from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
 from workers.journal.scripts import JournalScripts
 from workers.roles.base import RoleParts
-from workers.runtime import WorkerRuntime
+from workers.runtime import Helper, WorkerRuntime
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class WorkerPolicy:
     canary_idle_s: float
     job_read_block_ms: int
     gateway_liveness_ttl_s: float
+    kv_snapshot_interval_s: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> WorkerPolicy:
@@ -66,6 +70,7 @@ class WorkerPolicy:
             canary_idle_s=settings.canary_idle_s,
             job_read_block_ms=settings.job_read_block_ms,
             gateway_liveness_ttl_s=settings.gateway_liveness_ttl_s,
+            kv_snapshot_interval_s=settings.kv_snapshot_interval_s,
         )
 
 
@@ -174,7 +179,7 @@ def build_worker(
         stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),
         timing=JanitorTiming(timing.janitor_s, timing.orphan_check_s, policy.heartbeat_ttl_s),
     )
-    helpers = {
+    helpers: dict[str, Helper] = {
         "heartbeat": Heartbeat(registry, status, thread).run,
         "commands": CommandListener(
             redis, recent=recent, cancel_request=jobs.cancel_request, on_command=admin.handle
@@ -186,6 +191,9 @@ def build_worker(
         "janitor": janitor.run,
         "canary": lambda: canary.run(lifecycle.busy),
     }
+    kv_events = _kv_event_forwarder(parts, redis, worker_id, model, policy)
+    if kv_events is not None:
+        helpers["kv-events"] = kv_events.run
     return WorkerRuntime(
         worker_id=worker_id,
         consumer=consumer,
@@ -197,3 +205,16 @@ def build_worker(
         shutdown_grace_s=policy.shutdown_grace_s,
         startup=lambda: adapters.start(lambda: lifecycle.stopping),
     )
+
+
+def _kv_event_forwarder(
+    parts: RoleParts, redis: aioredis.Redis, worker_id: str, model: str, policy: WorkerPolicy
+) -> KvEventForwarder | None:
+    """The engine's KV events to Redis, for cache-aware placement (None: it has none)."""
+    if not isinstance(parts.engine, PublishesKvEvents):
+        return None
+    feed = parts.engine.kv_event_feed()
+    if feed is None:
+        return None
+    writer = KvEventWriter(redis, worker_id)
+    return KvEventForwarder(writer, feed, model, snapshot_s=policy.kv_snapshot_interval_s)

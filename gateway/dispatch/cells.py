@@ -29,6 +29,7 @@ from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
+from gateway.placement.cache_placement import CachePlacement
 from shared.connections.model_redis import ModelRedis
 from shared.connections.url import shown_url
 from shared.errors import InvalidApiKey
@@ -51,6 +52,8 @@ class Cell:
     dispatcher: Dispatcher
     images: ImageStore
     adapters: LoraWatch
+    placement: CachePlacement | None = None
+    """Cache-aware placement for this Redis's workers (its index feeder runs in :meth:`tasks`)."""
 
     def tasks(self, gateway_id: str, liveness_ttl_s: float) -> list[asyncio.Task[None]]:
         """The cell's background tasks (the lifespan cancels them)."""
@@ -67,7 +70,14 @@ class Cell:
                 self.dispatcher.accounting.renew_leases(), name=f"limit-leases{label}"
             ),
             asyncio.create_task(self.adapters.run(), name=f"adapter-watch{label}"),
+            *self._placement_tasks(label),
         ]
+
+    def _placement_tasks(self, label: str) -> list[asyncio.Task[None]]:
+        if self.placement is None:
+            return []
+        feeder = self.placement.feeder
+        return [asyncio.create_task(feeder.run(), name=f"prefix-index{label}")]
 
 
 class RedisCells:

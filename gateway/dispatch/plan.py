@@ -87,6 +87,8 @@ class RequestPlan(Generic[W]):
     """The LoRA adapter it runs with (``model`` is the adapter's name then)."""
     base_model: str | None = None
     """The model whose workers (and Redis) serve it: ``model``, or the adapter's base."""
+    cache_key: str | None = None
+    """OpenAI's ``prompt_cache_key``: placement's affinity hint (requests sharing a prefix)."""
 
     @property
     def served_by(self) -> str:

@@ -11,8 +11,8 @@ in one registry per app (never the process-global one). Conveyor's are of two ki
   live workers per role, the ledger's backlog and lag, the API-key cache and the
   requests this gateway holds open.
 
-There is no KV-aware router in Conveyor yet, so no router metrics: pull-based
-balancing needs none (workers take jobs when they have free slots).
+Placement (gateway/placement/) counts each decision by reason and the prompt blocks
+cached where the job went (:class:`~gateway.metrics.placement.PlacementMetrics`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.dispatch.request_tally import RequestTally
+from gateway.metrics.placement import PlacementMetrics
 from gateway.metrics.vllm import DEFAULT_MAX_MODEL_LEN, ClientMetrics, EngineCollector
 from shared.queue import names
 from shared.queue.usage import UsageRecord
@@ -81,6 +82,7 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.placement = PlacementMetrics(r)
         self._scraped = _ScrapeGauges(r, self.engines)
 
     def observe_usage(self, record: UsageRecord, tally: RequestTally) -> None:

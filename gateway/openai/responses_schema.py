@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from gateway.openai.schemas import MAX_TOOLS, FunctionName, Text, _Lenient
+from gateway.openai.schemas import MAX_TOOLS, CacheKey, FunctionName, Text, _Lenient
 
 _INT32_MAX = 2**31 - 1
 MAX_INPUT_ITEMS = 2048
@@ -120,6 +120,7 @@ class ResponsesRequest(_Lenient):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     metadata: dict[str, Text] | None = Field(None, max_length=MAX_METADATA)
     user: Text | None = None
+    prompt_cache_key: CacheKey | None = None
     store: bool = True
     previous_response_id: Text | None = None
     stream: bool = False

@@ -69,6 +69,11 @@ StopSequence = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_ST
 LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 
 
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
+CacheKey = Annotated[Text, Field(min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS)]
+"""OpenAI's ``prompt_cache_key`` (chat, completions, responses)."""
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -268,6 +273,9 @@ class SamplingFields(_Lenient):
     them (vLLM's rule for the value)."""
     skip_special_tokens: bool = True
     """vLLM's: false keeps special tokens in the output text."""
+    prompt_cache_key: CacheKey | None = None
+    """OpenAI's: requests sharing a long prefix send one key; placement keeps them on the
+    worker that caches it (an affinity hint, never a promise)."""
     # Removed from vLLM (its server now ignores them with a warning): refused here.
     guided_json: Any = None
     guided_regex: Any = None

@@ -154,6 +154,7 @@ async def admin_state(state: StateDep) -> dict[str, Any]:
         "open_requests": state.cells.open_requests(),
         "workers": sorted(w.worker_id for c in state.cells.all() for w in c.directory.all()),
         "pools": _pools(state),
+        "placement_index": _placement_index(state),
     }
     if state.control is not None:
         _, body["control"] = await state.control.readiness()
@@ -170,6 +171,20 @@ def _pools(state: GatewayState) -> dict[str, dict[Role, int]]:
             for role, count in roles.items():
                 merged[role] = merged.get(role, 0) + count
     return pools
+
+
+def _placement_index(state: GatewayState) -> dict[str, Any]:
+    """The prefix index of each Redis's workers: blocks indexed per worker (-1: waiting
+    for its snapshot after lost KV events), distinct blocks, gaps seen."""
+    workers: dict[str, int] = {}
+    blocks = gaps = 0
+    for cell in state.cells.all():
+        if cell.placement is not None:
+            index = cell.placement.index
+            workers.update(index.blocks_by_worker())
+            blocks += index.blocks()
+            gaps += index.gaps
+    return {"workers": dict(sorted(workers.items())), "blocks": blocks, "gaps": gaps}
 
 
 def _group_by(value: str | None) -> GroupBy | None:

@@ -155,7 +155,15 @@ async def plan_chat(
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     images = await state.images.load(parts, deadline, state.cells.for_model(model.base).images)
     work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
-    plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
+    plan = _plan(
+        "chatcmpl",
+        model,
+        work,
+        deadline,
+        idempotency_key,
+        headers.principal,
+        cache_key=body.prompt_cache_key,
+    )
     return plan, tool_plan.parser
 
 
@@ -169,7 +177,15 @@ async def plan_completion(
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     work = Generation(tuple(choices), (), body.n)
-    plan = _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
+    plan = _plan(
+        "cmpl",
+        model,
+        work,
+        deadline,
+        idempotency_key,
+        headers.principal,
+        cache_key=body.prompt_cache_key,
+    )
     echo = None
     if body.echo:
         echo = await asyncio.to_thread(translate.echoes, body, choices, model)
@@ -221,6 +237,8 @@ def _plan(
     deadline: Deadline,
     idempotency_key: str | None,
     principal: Principal,
+    *,
+    cache_key: str | None = None,
 ) -> RequestPlan[W]:
     """The request's plan, with what it costs against its key's limits (if any)."""
     request_id = _new_id(prefix)
@@ -233,6 +251,7 @@ def _plan(
         principal.key_id,
         adapter=model.adapter,
         base_model=model.base,
+        cache_key=cache_key,
     )
     if principal.key_id is None or not principal.limits.any():
         return plan

@@ -83,6 +83,7 @@ def chat_request(body: ResponsesRequest, history: Sequence[InputItem]) -> ChatCo
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body.text.format if body.text else None),
         user=body.user,
+        prompt_cache_key=body.prompt_cache_key,
     )
 
 

@@ -191,3 +191,16 @@ def sent_tally(request_id: str) -> str:
     """Hash: what workers published for a request, all its sequences together (written by
     the run journal; read only when its gateway died: shared/queue/open_requests.py)."""
     return f"{PREFIX}:sent:{request_id}"
+
+
+KV_EVENTS_STREAM = f"{PREFIX}:kv-events"
+"""Every worker's KV cache events (batches, snapshot notices, leaves), oldest trimmed
+(shared/queue/kv_events.py): what the gateways' prefix indexes are fed from."""
+
+
+def kv_snapshot(worker_id: str) -> str:
+    """A worker's last snapshot of its cached blocks (expires with the worker)."""
+    return f"{PREFIX}:kv-snapshot:{worker_id}"
+
+
+KV_SNAPSHOT_PATTERN = f"{PREFIX}:kv-snapshot:*"

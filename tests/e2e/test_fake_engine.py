@@ -7,12 +7,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.e2e.stack import Stack, wait_until
+from tests.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -111,3 +113,19 @@ def test_n_choices_and_logprobs(client: openai.OpenAI) -> None:
         assert choice.logprobs is not None and choice.logprobs.content is not None
         assert len(choice.logprobs.content) == 5
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+def test_the_prefix_index_fills_from_the_workers_kv_events(
+    fake_stack: tuple[Stack, str], client: openai.OpenAI
+) -> None:
+    _, base_url = fake_stack
+    words = " ".join(f"word{i}" for i in range(100))  # several 16-token KV blocks
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": words}], max_tokens=2
+    )
+
+    def indexed() -> bool:
+        index = httpx.get(f"{base_url}/admin/state", timeout=5).json()["placement_index"]
+        return any(blocks > 0 for blocks in index["workers"].values())
+
+    eventually_sync(indexed, timeout_s=10, what="a worker's blocks in the gateway's index")

@@ -1,7 +1,8 @@
 """The vLLM engine's translation, against vLLM's own classes (workers/engines/vllm/engine.py):
 SamplingOptions -> SamplingParams, job prompt + images -> TokensPrompt, RequestOutput ->
-StepOutput, and every vLLM exception -> the Conveyor error tree. No engine starts; this is
-the one test module that imports vllm (about 10 s)."""
+StepOutput, every vLLM exception -> the Conveyor error tree, and vLLM's KV events -> the
+ones workers forward to Redis. No engine starts; this is the one test module that imports
+vllm (about 10 s)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import inspect
 import json
 import math
 
+import msgspec
 import pytest
 import torch
 import vllm.exceptions
 import vllm.v1.engine.exceptions
 from PIL import Image
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from vllm.exceptions import VLLMClientError, VLLMError
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -22,8 +30,10 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.errors import ConveyorError, EngineDead, EngineError, InvalidRequest
 from shared.protocol import PromptLogprob, SamplingOptions, TokenLogprob, TopLogprob
+from shared.queue.kv_events import ClearedBlocks, RemovedBlocks, StoredBlocks
 from workers.engines.base import PromptImages, StepOutput
 from workers.engines.vision.encoder import ImageEmbedding
+from workers.engines.vllm.kv_events import engine_hash, translate
 from workers.engines.vllm.translate import (
     sampling_params,
     step_output,
@@ -313,3 +323,59 @@ def test_a_bare_value_error_is_not_the_clients_fault() -> None:
     with pytest.raises(ValueError, match="bug") as caught, vllm_errors("generation"):
         raise ValueError("bug in an adapter")
     assert not isinstance(caught.value, ConveyorError)
+
+
+# ------------------------------------------------------------------ KV events
+
+KV_TOKENS = list(range(8))
+
+
+def kv_stored(**fields: object) -> BlockStored:
+    values: dict[str, object] = {
+        "block_hashes": [b"\x01" * 32, b"\x02" * 32],
+        "parent_block_hash": None,
+        "token_ids": KV_TOKENS,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **fields,
+    }
+    return BlockStored(**values)  # type: ignore[arg-type]
+
+
+def over_the_wire(*events: object) -> list[object]:
+    """As the worker receives them: msgpack from vLLM's publisher, decoded."""
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=list(events)))  # type: ignore[arg-type]
+    batch = msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
+    return list(batch.events)
+
+
+def test_stored_removed_cleared() -> None:
+    events = over_the_wire(
+        kv_stored(lora_name="sql", parent_block_hash=7),
+        BlockRemoved(block_hashes=[b"\x01" * 32], medium="GPU"),
+        AllBlocksCleared(),
+    )
+    first = engine_hash(b"\x01" * 32)
+    assert first == int.from_bytes(b"\x01" * 8, "big")
+    assert translate(events) == [
+        StoredBlocks([first, engine_hash(b"\x02" * 32)], 7, KV_TOKENS, "sql"),
+        RemovedBlocks([first]),
+        ClearedBlocks(),
+    ]
+
+
+def test_blocks_keyed_by_more_than_tokens_are_left_out() -> None:
+    salted = kv_stored(extra_keys=[None, ("salt",)])  # the second block has a cache_salt
+    adapter = kv_stored(lora_name="sql", extra_keys=[("sql",), ("sql",)])
+    image = kv_stored(extra_keys=[(("mm-hash", 0),), None])
+    assert [len(e.engine_hashes) for e in translate(over_the_wire(salted, adapter))] == [1, 2]  # type: ignore[union-attr]
+    assert translate(over_the_wire(image)) == []
+
+
+def test_other_media_and_groups_are_left_out() -> None:
+    offloaded = kv_stored(medium="CPU")
+    second_group = kv_stored(group_idx=1)
+    removed = BlockRemoved(block_hashes=[5], medium="STORAGE")
+    assert translate(over_the_wire(offloaded, second_group, removed)) == []

@@ -19,13 +19,14 @@ host, port and room), so its decode side can start at once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from shared.engine_stats import StatsRecorder
 from shared.protocol import ImageRef, PromptLogprobs, SamplingOptions, TokenLogprob
+from shared.queue.kv_events import KvEvent
 
 Handoff = dict[str, Any]
 """Engine-specific, JSON-safe data a decode engine needs to fetch a prefilled KV cache."""
@@ -257,3 +258,22 @@ class ReportsStats(Protocol):
 class Administered(Protocol):
     @property
     def admin(self) -> EngineAdmin: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventFeed:
+    """An engine's KV cache events, as the worker forwards them to Redis."""
+
+    block_size: int
+    """Tokens per KV block."""
+    batches: Callable[[], AsyncIterator[list[KvEvent]]]
+    """The events of each engine step from now on (one list per step with events)."""
+
+
+@runtime_checkable
+class PublishesKvEvents(Protocol):
+    """An engine that can report its KV cache events (cache-aware placement)."""
+
+    def kv_event_feed(self) -> KvEventFeed | None:
+        """Its events, or None when they are off."""
+        ...

@@ -8,6 +8,7 @@ KV events from :mod:`.kv_cache`. For load tests and fleet-size routing tests.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -18,16 +19,18 @@ import msgspec
 from shared.engine_stats import StatsRecorder
 from shared.errors import EngineDead, EngineError, InvalidRequest
 from shared.protocol import SamplingOptions, TokenLogprob, is_guided
+from shared.queue import kv_events as wire
 from shared.settings import Settings
 from workers.engines.base import (
     EngineInfo,
     Handoff,
+    KvEventFeed,
     NotSupported,
     PromptImages,
     PromptTokenStats,
     StepOutput,
 )
-from workers.engines.fake.events import KvEventPublisher
+from workers.engines.fake.events import KvEventBatch, KvEventPublisher, to_wire
 from workers.engines.fake.kv_cache import KvCache
 from workers.engines.fake.model_folder import ModelShape, read_model_folder
 from workers.engines.fake.scheduler import Clock, Limits, Scheduler, StepTiming
@@ -71,6 +74,7 @@ class FakeEngine:
         self.prompt_stats = PromptTokenStats()
         self.admin = FakeAdmin(self)
         self._sequences: dict[str, Sequence] = {}
+        self._kv_events = settings.publishes_kv_events()
         log.info(
             "fake engine (no model) serving %s: for load and routing tests, its output is not "
             "a model's. %d KV blocks of %d tokens, step %.2f ms + %.0f us/sequence + %.0f "
@@ -230,6 +234,21 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+
+    def kv_event_feed(self) -> KvEventFeed | None:
+        if not self._kv_events:
+            return None
+        return KvEventFeed(self.kv.block_size, self._kv_event_batches)
+
+    async def _kv_event_batches(self) -> AsyncIterator[list[wire.KvEvent]]:
+        batches: asyncio.Queue[KvEventBatch] = asyncio.Queue()
+        self.events.subscribe(batches.put_nowait)
+        try:
+            while True:
+                batch = await batches.get()
+                yield [to_wire(event) for event in batch.events]
+        finally:
+            self.events.unsubscribe(batches.put_nowait)
 
 
 class FakeAdmin:

@@ -1,8 +1,8 @@
 """The KV cache events the fake engine publishes: vLLM's ``BlockStored``, ``BlockRemoved``
 and ``AllBlocksCleared``, in batches numbered per engine (a gap shows a lost batch).
 
-Listeners are in-process callbacks (or an asyncio queue each); carrying them to Redis is
-the placement index's job.
+Listeners are in-process callbacks (or an asyncio queue each); :func:`to_wire` turns them
+into what the worker forwards to Redis (shared/queue/kv_events.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from shared.queue import kv_events as wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,8 @@ class BlockStored:
     """Every token of the blocks, in order (len = block_size * len(block_hashes))."""
     block_size: int
     lora_id: int | None = None
+    lora_name: str | None = None
+    """The LoRA adapter whose blocks these are (vLLM's ``lora_name``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,9 @@ class KvEventPublisher:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Listener) -> None:
+        self._listeners.remove(listener)
+
     def queue(self) -> asyncio.Queue[KvEventBatch]:
         """A queue that receives every batch from now on."""
         batches: asyncio.Queue[KvEventBatch] = asyncio.Queue()
@@ -83,3 +90,13 @@ class KvEventPublisher:
         for listener in self._listeners:
             listener(batch)
         return batch
+
+
+def to_wire(event: KvEvent) -> wire.KvEvent:
+    if isinstance(event, BlockStored):
+        return wire.StoredBlocks(
+            event.block_hashes, event.parent_block_hash, event.token_ids, event.lora_name
+        )
+    if isinstance(event, BlockRemoved):
+        return wire.RemovedBlocks(event.block_hashes)
+    return wire.ClearedBlocks()

@@ -140,6 +140,7 @@ class KvCache:
                     table.hashes[first - 1] if first else None,
                     list(token_ids[first * size : (last + 1) * size]),
                     size,
+                    lora_name=table.extra,
                 )
             )
 

@@ -22,6 +22,7 @@ from shared.settings import Role, Settings
 from workers.engines.base import (
     EngineInfo,
     Handoff,
+    KvEventFeed,
     PromptImages,
     PromptTokenStats,
     StepOutput,
@@ -30,6 +31,7 @@ from workers.engines.vision.encoder import vision_family
 from workers.engines.vllm import lora
 from workers.engines.vllm.admin import VllmAdmin
 from workers.engines.vllm.engine_args import operator_engine_args, with_defaults
+from workers.engines.vllm.kv_events import kv_events_config, private_endpoint, subscribe
 from workers.engines.vllm.placement import (
     engine_cores,
     kv_transfer_config,
@@ -58,9 +60,11 @@ class VllmEngine:
             log.info("vLLM engine arguments from the operator: %s", sorted(operator))
         kv_transfer = kv_transfer_config(settings)
         place_engine(settings)  # prefill/decode too: see place_engine
+        self._kv_events = private_endpoint() if settings.publishes_kv_events() else None
         args = AsyncEngineArgs(
             **with_defaults(_default_args(settings, model_path, served_name), operator),
             kv_transfer_config=kv_transfer,
+            kv_events_config=None if self._kv_events is None else kv_events_config(self._kv_events),
             # vLLM's default loggers stay off but for prefill/decode workers; the custom
             # stat loggers below turn its per-step stats on (unless engine_stats is off).
             disable_log_stats=kv_transfer is None,
@@ -77,6 +81,7 @@ class VllmEngine:
         if kv_transfer is not None and settings.pin_kv_engines:
             pin_process_tree(engine_cores(settings))
         config = self._llm.model_config
+        self._block_size = int(self._llm.vllm_config.cache_config.block_size)
         self._vision_family = vision_family(model_path)
         self.info = EngineInfo(model=served_name, max_model_len=int(config.max_model_len))
         self.adapters, self.adapters_off = lora.attach(self._llm, settings, model_path)
@@ -167,6 +172,12 @@ class VllmEngine:
 
     def running(self) -> int:
         return int(self._llm.get_num_unfinished_requests())
+
+    def kv_event_feed(self) -> KvEventFeed | None:
+        endpoint = self._kv_events
+        if endpoint is None:
+            return None
+        return KvEventFeed(self._block_size, lambda: subscribe(endpoint))
 
     def shutdown(self) -> None:
         """Called once the worker has drained: nothing runs in the engine any more."""

@@ -28,6 +28,7 @@ REFUSED: dict[str, str] = {
     "max_loras": "use --max-loras (the engine gets one more slot than it)",
     "max_lora_rank": "use --max-lora-rank",
     "max_cpu_loras": "use --max-cpu-loras",
+    "kv_events_config": "use --kv-events (the worker subscribes to them and forwards them)",
 }
 """Fields Conveyor sets itself, and what to use instead."""
 

@@ -1,0 +1,38 @@
+"""Cache-aware placement on one Redis, assembled: the prefix index, its feeder, the placer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from gateway.placement.cache_placer import CachePlacer, CostPolicy, OnPlaced, PlacementSettings
+from gateway.placement.index_feeder import IndexFeeder
+from gateway.placement.prefix_index import PrefixIndex
+from shared.queue.kv_events import KvEventReader
+from shared.queue.liveness import WorkerRegistry
+
+
+class CachePlacementSettings(PlacementSettings, Protocol):
+    placement_index_max_blocks: int
+    heartbeat_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlacement:
+    index: PrefixIndex
+    feeder: IndexFeeder
+    """Run :meth:`IndexFeeder.run` as a background task for as long as the gateway serves."""
+    placer: CachePlacer
+
+
+def build_cache_placement(
+    settings: CachePlacementSettings, redis: aioredis.Redis, *, on_placed: OnPlaced | None = None
+) -> CachePlacement:
+    """The index of the workers on ``redis``, fed from its KV event stream, and its placer."""
+    index = PrefixIndex(max_blocks=settings.placement_index_max_blocks)
+    registry = WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s)
+    feeder = IndexFeeder(KvEventReader(redis), index, registry)
+    placer = CachePlacer(index, CostPolicy.from_settings(settings), on_placed=on_placed)
+    return CachePlacement(index=index, feeder=feeder, placer=placer)

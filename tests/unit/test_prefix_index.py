@@ -1,0 +1,386 @@
+"""Block names, the prefix index and the cache-aware placer, in process."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.placement.cache_placer import CachePlacer, CostPolicy
+from gateway.placement.placer import Candidate, PlacementReason, PlacementRequest
+from gateway.placement.prefix_index import PrefixIndex
+from shared.block_hashes import EngineBlockMap, block_names, chain_seed
+from shared.queue.kv_events import (
+    ClearedBlocks,
+    KvBatch,
+    KvEvent,
+    KvSnapshot,
+    RemovedBlocks,
+    StoredBlocks,
+)
+from shared.roles import Role
+
+SIZE = 4
+MODEL = "m"
+
+
+def tokens(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def stored(
+    token_ids: list[int], *, first: int = 0, parent: int | None = None, lora: str | None = None
+) -> StoredBlocks:
+    """Blocks of ``token_ids`` with engine hashes first, first+1, ... (the engine's own)."""
+    count = len(token_ids) // SIZE
+    return StoredBlocks(list(range(first, first + count)), parent, token_ids, lora)
+
+
+class Feed:
+    """Numbers each worker's batches as a worker's forwarder does."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.seq: dict[str, int] = {}
+
+    def send(self, worker_id: str, *events: KvEvent, model: str = MODEL) -> bool:
+        seq = self.seq.get(worker_id, -1) + 1
+        self.seq[worker_id] = seq
+        return self.index.apply(KvBatch(worker_id, model, SIZE, seq, list(events)))
+
+
+def candidate(
+    worker_id: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    kv: float = 0.1,
+    queued: int = 0,
+    adapters: frozenset[str] = frozenset(),
+) -> Candidate:
+    return Candidate(worker_id, running, waiting, 8, kv, queued, adapters)
+
+
+def request(
+    token_ids: list[int] | None, *, lora: str | None = None, cache_key: str | None = None
+) -> PlacementRequest:
+    return PlacementRequest(MODEL, Role.AGGREGATED, lora, token_ids, cache_key)
+
+
+# ---------------------------------------------------------------------- names
+
+
+def test_same_tokens_same_names_and_chained() -> None:
+    seed = chain_seed(MODEL, None)
+    a = block_names(tokens(16), SIZE, seed)
+    assert a == block_names(tokens(16), SIZE, seed)
+    assert len(a) == 4
+    changed = tokens(16)
+    changed[1] += 1  # the first block differs: every later name differs too
+    assert not set(a) & set(block_names(changed, SIZE, seed))
+
+
+def test_lora_and_model_separate_names() -> None:
+    base = block_names(tokens(8), SIZE, chain_seed(MODEL, None))
+    assert base != block_names(tokens(8), SIZE, chain_seed(MODEL, "sql"))
+    assert base != block_names(tokens(8), SIZE, chain_seed("other", None))
+
+
+def test_engine_map_names_as_the_prompt_does() -> None:
+    blocks = EngineBlockMap(MODEL, SIZE)
+    first = blocks.store(stored(tokens(8)))
+    second = blocks.store(stored(tokens(8, 1008), first=2, parent=1))
+    assert first + second == block_names(tokens(16), SIZE, chain_seed(MODEL, None))
+    assert blocks.store(stored(tokens(4, 5000), first=9, parent=77)) == []  # unknown parent
+    assert blocks.unnamed == 1
+
+
+# ---------------------------------------------------------------------- index
+
+
+def test_stored_removed_cleared() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    prompt = tokens(17)  # 4 full blocks count (the last token never does)
+    feed.send("w1", stored(prompt[:16]))
+    assert index.match(MODEL, None, prompt, ["w1"]) == {"w1": 4}
+    feed.send("w1", RemovedBlocks([2, 3]))
+    assert index.match(MODEL, None, prompt, ["w1"]) == {"w1": 2}
+    feed.send("w1", ClearedBlocks())
+    assert index.match(MODEL, None, prompt, ["w1"]) == {}
+    assert index.blocks() == 0
+
+
+def test_removed_head_block_is_never_matched() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("w1", stored(tokens(16)))
+    feed.send("w1", RemovedBlocks([0]))
+    assert index.match(MODEL, None, tokens(17), ["w1"]) == {}
+
+
+def test_match_per_worker_and_lora() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("w1", stored(tokens(16)))
+    feed.send("w2", stored(tokens(8)))
+    feed.send("w3", stored(tokens(16), lora="sql"))
+    prompt = tokens(17)
+    assert index.match(MODEL, None, prompt, ["w1", "w2", "w3"]) == {"w1": 4, "w2": 2}
+    assert index.match(MODEL, "sql", prompt, ["w1", "w2", "w3"]) == {"w3": 4}
+    assert index.match(MODEL, None, prompt, ["w2"]) == {"w2": 2}
+    assert index.match("other", None, prompt, ["w1"]) == {}
+
+
+def test_dead_worker_dropped_and_bit_reused() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("w1", stored(tokens(16)))
+    index.drop("w1")
+    assert index.match(MODEL, None, tokens(17), ["w1"]) == {}
+    assert index.blocks() == 0
+    feed.send("w2", stored(tokens(8, 7000)))
+    assert index.match(MODEL, None, tokens(17), ["w2"]) == {}
+    assert index.blocks_by_worker() == {"w2": 2}
+
+
+def test_gap_drops_blocks_until_the_snapshot() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    mirror = EngineBlockMap(MODEL, SIZE)  # the worker's own copy, for its snapshot
+    first = stored(tokens(8))
+    mirror.store(first)
+    feed.send("w1", first)
+    lost = stored(tokens(8, 1008), first=2, parent=1)
+    mirror.store(lost)
+    feed.seq["w1"] += 1  # batch 1 never arrives
+    later = RemovedBlocks([0])
+    mirror.remove([0])
+    assert not feed.send("w1", later)
+    assert index.lost("w1") and index.gaps == 1
+    assert index.match(MODEL, None, tokens(17), ["w1"]) == {}
+    assert index.load(KvSnapshot("w1", MODEL, SIZE, 2, mirror.pairs()))
+    assert not index.lost("w1")
+    assert index.blocks_by_worker() == {"w1": 3}
+    # block 0 was removed: nothing of the prompt matches from its start
+    assert index.match(MODEL, None, tokens(17), ["w1"]) == {}
+    assert feed.send("w1", stored(tokens(4), first=10))
+    assert index.match(MODEL, None, tokens(17), ["w1"]) == {"w1": 4}
+
+
+def test_batches_read_again_after_a_snapshot_change_nothing() -> None:
+    index = PrefixIndex()
+    first = KvBatch("w1", MODEL, SIZE, 0, [stored(tokens(8))])
+    second = KvBatch("w1", MODEL, SIZE, 1, [RemovedBlocks([1])])
+    mirror = EngineBlockMap(MODEL, SIZE)
+    mirror.store(stored(tokens(8)))
+    mirror.remove([1])
+    index.load(KvSnapshot("w1", MODEL, SIZE, 1, mirror.pairs()))  # a gateway starting
+    assert index.apply(first) and index.apply(second)  # the stream from its start
+    assert index.blocks_by_worker() == {"w1": 1}
+
+
+def test_old_snapshot_does_not_replace_newer_state() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("w1", stored(tokens(8)))
+    assert not index.load(KvSnapshot("w1", MODEL, SIZE, -1, []))
+    assert index.blocks_by_worker() == {"w1": 2}
+
+
+def test_unknown_worker_mid_stream_waits_for_snapshot() -> None:
+    index = PrefixIndex()
+    assert not index.apply(KvBatch("w9", MODEL, SIZE, 5, [stored(tokens(8))]))
+    assert index.lost("w9")
+    assert index.blocks_by_worker() == {"w9": -1}
+
+
+def test_index_bound() -> None:
+    index = PrefixIndex(max_blocks=3)
+    Feed(index).send("w1", stored(tokens(16)))
+    assert index.blocks() == 3 and index.not_indexed == 1
+
+
+# ---------------------------------------------------------------------- properties
+
+_worker_ids = st.sampled_from(["a", "b", "c"])
+_events = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), st.integers(0, 5), st.integers(1, 3)),
+        st.tuples(st.just("remove"), st.integers(0, 8), st.just(1)),
+        st.tuples(st.just("clear"), st.just(0), st.just(0)),
+    ),
+    max_size=12,
+)
+
+
+def _batches(worker_id: str, script: list[tuple[str, int, int]]) -> list[KvBatch]:
+    """A worker's batches from a script: stores chain from block ``at`` for ``count``."""
+    batches = []
+    for seq, (kind, at, count) in enumerate(script):
+        event: KvEvent
+        if kind == "store":
+            parent = None if at == 0 else at - 1
+            event = StoredBlocks(
+                list(range(at, at + count)), parent, tokens(count * SIZE, at * SIZE)
+            )
+        elif kind == "remove":
+            event = RemovedBlocks([at])
+        else:
+            event = ClearedBlocks()
+        batches.append(KvBatch(worker_id, MODEL, SIZE, seq, [event]))
+    return batches
+
+
+def _state(index: PrefixIndex) -> dict[str, int]:
+    prompt = tokens(40, 0)
+    return index.match(MODEL, None, prompt, ["a", "b", "c"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(_worker_ids, _events, min_size=1), st.randoms(use_true_random=False))
+def test_any_interleaving_of_workers_gives_the_same_index(
+    scripts: dict[str, list[tuple[str, int, int]]], rnd: random.Random
+) -> None:
+    in_order = PrefixIndex()
+    for worker_id in sorted(scripts):
+        for batch in _batches(worker_id, scripts[worker_id]):
+            in_order.apply(batch)
+    queues = {w: _batches(w, s) for w, s in scripts.items()}
+    mixed = PrefixIndex()
+    while any(queues.values()):
+        worker_id = rnd.choice([w for w, q in queues.items() if q])
+        mixed.apply(queues[worker_id].pop(0))
+    assert _state(mixed) == _state(in_order)
+    assert mixed.blocks_by_worker() == in_order.blocks_by_worker()
+    assert mixed.blocks() == in_order.blocks()
+
+
+@settings(max_examples=200, deadline=None)
+@given(_events, st.integers(0, 8))
+def test_a_removed_block_is_never_matched(script: list[tuple[str, int, int]], removed: int) -> None:
+    index = PrefixIndex()
+    batches = _batches("a", script)
+    for batch in batches:
+        index.apply(batch)
+    index.apply(KvBatch("a", MODEL, SIZE, len(batches), [RemovedBlocks([removed])]))
+    matched = index.match(MODEL, None, tokens(40, 0), ["a"]).get("a", 0)
+    assert matched <= removed  # blocks from ``removed`` on never match
+
+
+# ---------------------------------------------------------------------- placer
+
+
+def placer(index: PrefixIndex, **policy: float) -> CachePlacer:
+    return CachePlacer(index, CostPolicy(**policy), rng=random.Random(7))  # type: ignore[arg-type]
+
+
+def test_cache_wins_at_equal_load() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    placement = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2")])
+    assert (placement.worker_id, placement.reason, placement.matched_blocks) == (
+        "w2",
+        PlacementReason.CACHE,
+        4,
+    )
+
+
+def test_load_outweighs_a_small_hit() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(4)))
+    placement = placer(index).place(
+        request(tokens(17)), [candidate("w1"), candidate("w2", running=3)]
+    )
+    assert (placement.worker_id, placement.reason) == ("w1", PlacementReason.LOAD)
+
+
+def test_busy_worker_skipped() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    chosen = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", waiting=2)])
+    assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
+    full = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", kv=0.99)])
+    assert full.worker_id == "w1"
+    none = placer(index).place(request(tokens(17)), [candidate("w2", waiting=5)])
+    assert (none.worker_id, none.reason) == (None, PlacementReason.SHARED)
+
+
+def test_cache_key_affinity() -> None:
+    index = PrefixIndex()
+    place = placer(index)
+    first = place.place(request(tokens(9), cache_key="k"), [candidate("w1"), candidate("w2")])
+    assert first.reason is PlacementReason.LOAD
+    other = "w2" if first.worker_id == "w1" else "w1"
+    loaded = [candidate(first.worker_id or "", running=1), candidate(other)]
+    again = place.place(request(tokens(9, 5000), cache_key="k"), loaded)
+    assert (again.worker_id, again.reason) == (first.worker_id, PlacementReason.CACHE_KEY)
+    no_key = place.place(request(tokens(9, 5000)), loaded)
+    assert no_key.worker_id == other
+
+
+def test_lora_only_on_workers_with_the_adapter() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w1", stored(tokens(16), lora="sql"))
+    cands = [candidate("w1"), candidate("w2", adapters=frozenset({"sql"}))]
+    placement = placer(index).place(request(tokens(17), lora="sql"), cands)
+    assert (placement.worker_id, placement.reason) == ("w2", PlacementReason.LOAD)
+    assert (
+        placer(index).place(request(tokens(17), lora="x"), cands).reason is PlacementReason.SHARED
+    )
+
+
+@pytest.mark.parametrize("token_ids", [None, tokens(17)])
+def test_empty_index_places_by_load(token_ids: list[int] | None) -> None:
+    placement = placer(PrefixIndex()).place(
+        request(token_ids),
+        [candidate("w1", running=2), candidate("w2", queued=64), candidate("w3")],
+    )
+    assert (placement.worker_id, placement.reason) == ("w3", PlacementReason.LOAD)
+
+
+def test_no_candidates_is_shared() -> None:
+    assert placer(PrefixIndex()).place(request(tokens(9)), []).reason is PlacementReason.SHARED
+
+
+def test_on_placed_sees_every_decision() -> None:
+    seen = []
+    place = CachePlacer(PrefixIndex(), on_placed=lambda r, p: seen.append(p.reason))
+    place.place(request(tokens(9)), [candidate("w1")])
+    place.place(request(tokens(9)), [])
+    assert seen == [PlacementReason.LOAD, PlacementReason.SHARED]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 200_000), min_size=SIZE, max_size=12 * SIZE),
+    st.lists(st.integers(1, 4), min_size=1, max_size=12),
+)
+def test_names_do_not_depend_on_how_blocks_are_batched(
+    token_ids: list[int], runs: list[int]
+) -> None:
+    """Stored in runs of any length, the blocks get the prompt's names, and a prompt that
+    is exactly the stored blocks plus one token matches all of them."""
+    full = len(token_ids) // SIZE
+    blocks = EngineBlockMap(MODEL, SIZE)
+    index = PrefixIndex()
+    feed = Feed(index)
+    first = 0
+    names: list[int] = []
+    for run in runs:
+        count = min(run, full - first)
+        if count <= 0:
+            break
+        parent = None if first == 0 else first - 1
+        event = StoredBlocks(
+            list(range(first, first + count)),
+            parent,
+            token_ids[first * SIZE : (first + count) * SIZE],
+        )
+        names += blocks.store(event)
+        feed.send("w1", event)
+        first += count
+    assert names == block_names(token_ids, SIZE, chain_seed(MODEL, None))[:first]
+    assert index.match(MODEL, None, [*token_ids[: first * SIZE], 7], ["w1"]).get("w1", 0) == first
