@@ -27,6 +27,8 @@ from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
+from gateway.placement.load import LoadPlacer
+from gateway.placement.placer import Placer
 from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
 from gateway.state import GatewayState
 from shared.connections.connect import connect
@@ -155,7 +157,14 @@ def build_state(
     if model_redis is None:
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
-    cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
+    cells = build_cells(
+        settings,
+        model_redis,
+        catalog,
+        gateway_id,
+        metrics.observe_usage,
+        lambda cell_redis: build_placer(settings, cell_redis),
+    )
     return GatewayState(
         metrics=metrics,
         settings=settings,
@@ -166,6 +175,14 @@ def build_state(
         unknown_fields=UnknownFieldLog(),
         images=_image_inputs(settings, cells.home.images),
     )
+
+
+def build_placer(settings: GatewaySettings, redis: aioredis.Redis) -> Placer | None:
+    """The placer of the dispatcher of one Redis (cell): where each new prefill or
+    aggregated job waits. None (CONVEYOR_PLACEMENT=off): every job on the shared stream."""
+    if not settings.placement:
+        return None
+    return LoadPlacer()
 
 
 def _image_inputs(settings: GatewaySettings, store: ImageStore) -> ImageInputs:
