@@ -127,6 +127,27 @@ class WorkerDirectory:
             adapters=frozenset(name for name, st in worker.adapters.items() if st == LOADED),
         )
 
+    def loads(self) -> dict[str, dict[str, object]]:
+        """Each worker's load as placement sees it (its last report and what this gateway
+        placed on it since), for /admin/state."""
+        loads: dict[str, dict[str, object]] = {}
+        for worker in self._workers:
+            load = self._candidate(worker)
+            loads[worker.worker_id] = {
+                "model": worker.model,
+                "role": worker.role.value,
+                "ready": worker.ready,
+                "draining": worker.draining,
+                "reads_placed": worker.reads_placed,
+                "running": load.running,
+                "waiting": load.waiting,
+                "free_slots": load.free_slots,
+                "kv_usage": load.kv_usage,
+                "queued_prefill_tokens": load.queued_prefill_tokens,
+                "steals": worker.steals,
+            }
+        return loads
+
     def note_placed(self, worker_id: str, jobs: int, prompt_tokens: int) -> None:
         """This gateway placed ``jobs`` on ``worker_id``: counted in its load until a
         report written after now."""

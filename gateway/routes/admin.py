@@ -154,6 +154,12 @@ async def admin_state(state: StateDep) -> dict[str, Any]:
         "open_requests": state.cells.open_requests(),
         "workers": sorted(w.worker_id for c in state.cells.all() for w in c.directory.all()),
         "pools": _pools(state),
+        "placement": state.settings.placement,
+        "loads": {
+            worker_id: load
+            for cell in state.cells.all()
+            for worker_id, load in cell.directory.loads().items()
+        },
     }
     if state.control is not None:
         _, body["control"] = await state.control.readiness()

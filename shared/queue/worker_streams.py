@@ -78,10 +78,11 @@ _REQUEUE = (
 -- KEYS: the worker's own stream, the pool's shared stream, the pool's placed-workers set,
 -- the worker's liveness key. ARGV: group, worker id, mode ('drain': move the unread
 -- entries; 'leave': and forget the stream once it is empty; 'dead': the same, only
--- while the liveness key is missing).
+-- while the liveness key is missing). Returns {entries moved (-1: 'dead' and the worker
+-- is alive), 1 if the stream is still there}.
 local own, shared, members, beat = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, worker, mode = ARGV[1], ARGV[2], ARGV[3]
-if mode == 'dead' and redis.call('EXISTS', beat) == 1 then return -1 end
+if mode == 'dead' and redis.call('EXISTS', beat) == 1 then return {-1, 1} end
 local unread = redis.call('XRANGE', own, '(' .. last_delivered(own, group), '+')
 for _, entry in ipairs(unread) do
   redis.call('XADD', shared, '*', unpack(entry[2]))
@@ -91,7 +92,7 @@ if mode ~= 'drain' and redis.call('XLEN', own) == 0 then
   redis.call('DEL', own)
   redis.call('SREM', members, worker)
 end
-return #unread
+return {#unread, redis.call('EXISTS', own)}
 """
 )
 
@@ -210,7 +211,15 @@ class WorkerStreams:
     async def requeue(self, pool: JobStream, worker: str, mode: Requeue) -> int:
         """Move ``worker``'s unread entries in ``pool`` to the shared stream; how many
         (-1: ``mode`` is DEAD and the worker is alive)."""
-        moved: Any = await self._requeue(
+        moved, _ = await self.requeue_and_look(pool, worker, mode)
+        return moved
+
+    async def requeue_and_look(
+        self, pool: JobStream, worker: str, mode: Requeue
+    ) -> tuple[int, bool]:
+        """:meth:`requeue`, and whether the worker's stream is still there (entries read
+        from it are pending) or was forgotten."""
+        reply: Any = await self._requeue(
             keys=[
                 pool.own(worker).name,
                 pool.name,
@@ -219,7 +228,7 @@ class WorkerStreams:
             ],
             args=[names.JOB_GROUP, worker, mode.value],
         )
-        return int(moved)
+        return int(reply[0]), bool(int(reply[1]))
 
     async def members(self, pool: JobStream) -> set[str]:
         """The workers that may have an own stream in ``pool``."""

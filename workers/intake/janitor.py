@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared.queue import names
 from shared.queue.job_queue import Delivery, JobQueue, JobStream
@@ -112,14 +112,15 @@ class Reclaimer:
 
     async def requeue_dead(self) -> list[JobStream]:
         """Move the unread jobs placed on dead workers back to the shared streams (a
-        stream found empty is forgotten); returns the dead workers' streams."""
+        stream found empty is forgotten); returns the dead workers' streams left, whose
+        read jobs are reclaimed as any dead worker's."""
         if self._placed is None:
             return []
         found = []
         for pool in list(self._pools):
             others = await self._placed.members(pool) - {self._worker_id}
             for worker in sorted(await self._registry.dead(others)):
-                moved = await self._placed.requeue(pool, worker, Requeue.DEAD)
+                moved, kept = await self._placed.requeue_and_look(pool, worker, Requeue.DEAD)
                 if moved > 0:
                     log.warning(
                         "moved %d unread job(s) placed on dead worker %s back to %s",
@@ -127,7 +128,7 @@ class Reclaimer:
                         worker,
                         pool.name,
                     )
-                if moved >= 0:
+                if moved >= 0 and kept:  # what it had read is pending there
                     found.append(pool.own(worker))
         return found
 
@@ -147,7 +148,12 @@ class Reclaimer:
             free = free_slots()
             if free <= 0:
                 return
-            dead = await self._dead_consumers(stream)
+            try:
+                dead = await self._dead_consumers(stream)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue  # a dead worker's stream another janitor has just forgotten
             deliveries = []
             if dead:
                 deliveries = await self._queue.reclaim(
