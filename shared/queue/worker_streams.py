@@ -97,6 +97,27 @@ return {#unread, redis.call('EXISTS', own)}
 )
 
 
+_SWEEP = """
+-- KEYS: the pool's placed-workers set, the worker's own stream. ARGV: group, the worker's
+-- id, the liveness key of a worker without its id. Returns {entries pending on the own
+-- stream, then the other members whose liveness key is gone}.
+local members, own = KEYS[1], KEYS[2]
+local group, me, beat_prefix = ARGV[1], ARGV[2], ARGV[3]
+local pending = 0
+if redis.call('EXISTS', own) == 1 then
+  local ok, summary = pcall(redis.call, 'XPENDING', own, group)
+  if ok then pending = tonumber(summary[1]) end
+end
+local reply = {pending}
+for _, member in ipairs(redis.call('SMEMBERS', members)) do
+  if member ~= me and redis.call('EXISTS', beat_prefix .. member) == 0 then
+    table.insert(reply, member)
+  end
+end
+return reply
+"""
+
+
 class Requeue(StrEnum):
     DRAIN = "drain"
     """Move the unread entries (the worker stays)."""
@@ -133,6 +154,7 @@ class WorkerStreams:
         self._queue = queue
         self._steal = redis.register_script(_STEAL)
         self._requeue = redis.register_script(_REQUEUE)
+        self._sweep = redis.register_script(_SWEEP)
 
     async def read(
         self,
@@ -229,6 +251,15 @@ class WorkerStreams:
             args=[names.JOB_GROUP, worker, mode.value],
         )
         return int(reply[0]), bool(int(reply[1]))
+
+    async def sweep(self, pool: JobStream, worker: str) -> tuple[int, set[str]]:
+        """One janitor look at ``pool`` (one round trip): the entries pending on
+        ``worker``'s own stream, and the other workers with an own stream that are dead."""
+        reply: Any = await self._sweep(
+            keys=[names.placed_workers(pool.name), pool.own(worker).name],
+            args=[names.JOB_GROUP, worker, names.worker_heartbeat("")],
+        )
+        return int(reply[0]), {as_text(member) for member in reply[1:]}
 
     async def members(self, pool: JobStream) -> set[str]:
         """The workers that may have an own stream in ``pool``."""

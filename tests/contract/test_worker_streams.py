@@ -176,7 +176,10 @@ async def test_a_dead_workers_unread_jobs_go_back_to_the_shared_stream(
     assert [d.job.request_id for d in read.deliveries] == ["a"]  # read, not acked
 
     assert await streams.requeue(POOL, "w1", Requeue.DEAD) == -1  # alive: untouched
+    assert await streams.sweep(POOL, "w2") == (0, set())
+    assert await streams.sweep(POOL, "w1") == (1, set())  # its own read entry is pending
     await redis_backend.delete(names.worker_heartbeat("w1"))
+    assert await streams.sweep(POOL, "w2") == (0, {"w1"})
     assert await streams.requeue(POOL, "w1", Requeue.DEAD) == 2
     assert await queue.depth(POOL.name) == 3  # nothing lost, nothing twice
     shared = await queue.read([POOL], "w2", count=8, block_ms=100)

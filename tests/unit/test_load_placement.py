@@ -104,6 +104,8 @@ async def test_candidates_are_the_workers_that_may_run_the_job() -> None:
     assert sorted(c.worker_id for c in found) == ["ok", "with-lora"]
     ok = next(c for c in found if c.worker_id == "ok")
     assert (ok.kv_usage, ok.waiting, ok.free_slots) == (0.5, 2, 4)
+    shown = directory.loads()["ok"]  # /admin/state
+    assert (shown["kv_usage"], shown["waiting"], shown["reads_placed"]) == (0.5, 2, True)
     lora = directory.candidates("m", Role.AGGREGATED, "ad")
     assert [(c.worker_id, c.adapters) for c in lora] == [("with-lora", frozenset({"ad"}))]
 

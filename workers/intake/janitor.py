@@ -100,15 +100,19 @@ class Reclaimer:
         """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
         self._suspects: dict[str, dict[str, float]] = {}
         """Per stream: own entries found idle and not in hand, and since when."""
+        self._own_pending: dict[JobStream, bool] = {}
+        """Per pool: whether this worker's own stream had pending entries at the last
+        sweep (checked when unknown): only then is it looked at entry by entry."""
 
     @property
     def _streams(self) -> list[JobStream]:
         """The shared streams this worker reads (adapters' come and go) and, with
-        placement, its own ones (jobs stolen from it by workers that died)."""
+        placement, its own ones that hold pending entries (read here, or stolen)."""
         pools = list(self._pools)
         if self._placed is None:
             return pools
-        return pools + [pool.own(self._worker_id) for pool in pools]
+        own = [pool.own(self._worker_id) for pool in pools if self._own_pending.get(pool, True)]
+        return pools + own
 
     async def requeue_dead(self) -> list[JobStream]:
         """Move the unread jobs placed on dead workers back to the shared streams (a
@@ -118,8 +122,9 @@ class Reclaimer:
             return []
         found = []
         for pool in list(self._pools):
-            others = await self._placed.members(pool) - {self._worker_id}
-            for worker in sorted(await self._registry.dead(others)):
+            pending, dead = await self._placed.sweep(pool, self._worker_id)
+            self._own_pending[pool] = pending > 0
+            for worker in sorted(dead):
                 moved, kept = await self._placed.requeue_and_look(pool, worker, Requeue.DEAD)
                 if moved > 0:
                     log.warning(
