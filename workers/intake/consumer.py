@@ -101,7 +101,7 @@ class JobReader:
             await self.prepare()
             return []
         await placed.stealer.hold(read.tickets)
-        stolen = await placed.stealer.steal_due(count - len(read.deliveries))
+        stolen = await placed.stealer.steal_due(count - len(read.deliveries), pools)
         return read.deliveries + stolen
 
     async def requeue_own(self, mode: Requeue) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from shared.queue.job_queue import Delivery, JobStream
 from shared.queue.worker_streams import Ticket, WorkerStreams
@@ -68,14 +68,19 @@ class Stealer:
         due = min(due for due, _ in self._held.values())
         return max(0, min(block_ms, int((due - self._clock()) * 1000 + 0.999)))
 
-    async def steal_due(self, free: int) -> list[Delivery]:
-        """Take up to ``free`` jobs that the workers of the tickets now due left unread."""
+    async def steal_due(self, free: int, pools: Sequence[JobStream]) -> list[Delivery]:
+        """Take up to ``free`` jobs that the workers of the tickets now due left unread
+        (in ``pools``, those this worker still serves: the others' tickets are retired)."""
         stolen: list[Delivery] = []
         now_s = self._clock()
         for key, (due, tickets) in sorted(self._held.items(), key=lambda kv: kv[1][0]):
+            pool, victim = key
+            if pool not in pools:
+                del self._held[key]
+                await self._streams.retire(pool, [t.entry_id for t in tickets])
+                continue
             if due > now_s or free - len(stolen) <= 0:
                 continue
-            pool, victim = key
             wait_ms, got = await self._streams.steal(
                 pool,
                 victim,
