@@ -9,6 +9,7 @@ from shared.protocol import FinishEvent
 from shared.queue import names
 from shared.queue.job_queue import JobStream
 from shared.queue.liveness import WorkerRegistration
+from shared.queue.worker_commands import Command, CommandStatus, send_worker_command
 from tests.conftest import RedisTarget
 from tests.unit.worker_harness import (
     FAST_JANITOR,
@@ -119,3 +120,18 @@ async def test_a_stopping_worker_moves_its_unread_jobs_back(redis_target: RedisT
 
 async def _exists(w: Harness, key: str) -> bool:
     return bool(await w.redis.exists(key))
+
+
+async def test_a_paused_worker_moves_jobs_placed_on_it_back(redis_target: RedisTarget) -> None:
+    async with worker(redis_target, worker_id="w1", placement=True, timing=FAST_JANITOR) as w:
+        await w.listening()
+        result = await send_worker_command(w.redis, "w1", Command.DRAIN, 5.0)
+        assert result.status == CommandStatus.OK
+        await place(w, "w1", "late")  # placed by a gateway that had not seen the drain yet
+
+        async def moved() -> bool:
+            shared = await w.redis.xrange(STREAM)
+            return any(b"late" in fields[b"m"] for _, fields in shared)
+
+        await eventually(moved, what="the placed job on the shared stream")
+        assert await w.redis.xlen(POOL.own("w1").name) == 0
