@@ -98,7 +98,3 @@ class Stealer:
                 stolen += got
         self.steals += len(stolen)
         return stolen
-
-    def held(self) -> int:
-        """Tickets waiting here."""
-        return sum(len(tickets) for _, tickets in self._held.values())
