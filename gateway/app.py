@@ -27,6 +27,8 @@ from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
+from gateway.placement.cache_placement import CachePlacement
+from gateway.placement.placer import Placer
 from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
 from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
@@ -155,9 +157,20 @@ def build_state(
     if model_redis is None:
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
-    cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
+    placements: dict[int, CachePlacement] = {}
+
+    def placer_for(cell_redis: aioredis.Redis) -> Placer | None:
+        if not settings.placement:
+            return None
+        placement = cache_placement(settings, cell_redis, metrics)
+        placements[id(cell_redis)] = placement
+        return placement.placer
+
+    cells = build_cells(
+        settings, model_redis, catalog, gateway_id, metrics.observe_usage, placer_for
+    )
     for cell in cells.all():
-        cell.placement = cache_placement(settings, cell.redis, metrics)
+        cell.placement = placements.get(id(cell.redis))
     return GatewayState(
         metrics=metrics,
         settings=settings,

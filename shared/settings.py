@@ -129,6 +129,13 @@ class CommonSettings(BaseSettings):
         "symlinks resolved. Empty: <data_dir> (where `conveyor up --lora-demo` writes its "
         "adapter) and /adapters (compose's mount of ADAPTERS_DIR).",
     )
+    placement: bool = Field(
+        True,
+        description="Cache-aware placement: the gateway puts each prefill or aggregated "
+        "job on one worker's own job stream (that worker reads it before the shared one; "
+        "another may steal the job after placement_steal_ms). Off: every job waits on "
+        "its (model, role)'s shared stream and workers read only that.",
+    )
     heartbeat_ttl_s: float = Field(
         1.5,
         description="A worker not heard from for this long counts as dead (its jobs are "
@@ -517,6 +524,12 @@ class WorkerSettings(ImageSettings):
     )
     dtype: str = Field("auto", description="Engine dtype (auto, float32, bfloat16, ...).")
     kv_cache_gib: float = Field(1.0, description="KV cache size per CPU worker, GiB.")
+    placement_steal_ms: int = Field(
+        30,
+        ge=0,
+        description="A job placed on a worker that has not read it for this long may be "
+        "taken by another worker of its pool with a free slot (delay scheduling).",
+    )
     claim_idle_s: float = Field(
         1.0,
         description="A running job whose owner has not renewed its claim for this long is "

@@ -16,6 +16,7 @@ from shared.queue import names
 from shared.queue.job_queue import JobQueue, JobStream
 from shared.queue.kv_events import KvEventWriter
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
+from shared.queue.worker_streams import WorkerStreams
 from shared.roles import Role
 from shared.settings import WorkerSettings
 from workers.commands.admin import WorkerAdmin
@@ -27,7 +28,7 @@ from workers.health.canary import Canary
 from workers.health.status import HEALTH_CHECK_INTERVAL_S, EngineMonitor, Heartbeat, WorkerStatus
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.intake.checks import Intake, IntakePolicy
-from workers.intake.consumer import JobConsumer, JobReader
+from workers.intake.consumer import JobConsumer, JobReader, Placed
 from workers.intake.janitor import (
     JANITOR_INTERVAL_S,
     ORPHAN_CHECK_INTERVAL_S,
@@ -37,6 +38,7 @@ from workers.intake.janitor import (
     stall_check,
 )
 from workers.intake.recent_cancels import RecentCancels
+from workers.intake.stealing import Stealer
 from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
 from workers.journal.scripts import JournalScripts
 from workers.roles.base import RoleParts
@@ -57,6 +59,9 @@ class WorkerPolicy:
     job_read_block_ms: int
     gateway_liveness_ttl_s: float
     kv_snapshot_interval_s: float = 10.0
+    placement: bool = False
+    """Read an own job stream first and steal (CONVEYOR_PLACEMENT)."""
+    placement_steal_ms: int = 30
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> WorkerPolicy:
@@ -71,6 +76,8 @@ class WorkerPolicy:
             job_read_block_ms=settings.job_read_block_ms,
             gateway_liveness_ttl_s=settings.gateway_liveness_ttl_s,
             kv_snapshot_interval_s=settings.kv_snapshot_interval_s,
+            placement=settings.placement,
+            placement_steal_ms=settings.placement_steal_ms,
         )
 
 
@@ -116,8 +123,16 @@ def build_worker(
     recent = recent_cancels or RecentCancels()
     gateways = GatewayWatch(redis, grace_s=policy.gateway_liveness_ttl_s)
     canary = Canary(parts.probe, idle_s=policy.canary_idle_s)
+    own_streams = WorkerStreams(redis, queue) if policy.placement else None
+    placed = (
+        None
+        if own_streams is None
+        else Placed(
+            own_streams, Stealer(own_streams, worker_id, steal_ms=policy.placement_steal_ms)
+        )
+    )
     consumer = JobConsumer(
-        reader=JobReader(queue, streams, worker_id, policy.job_read_block_ms),
+        reader=JobReader(queue, streams, worker_id, policy.job_read_block_ms, placed),
         journal=journal,
         intake=Intake(redis, IntakePolicy(policy.max_deliveries, policy.migration_limit), gateways),
         jobs=jobs,
@@ -151,6 +166,7 @@ def build_worker(
         lifecycle=lifecycle,
         canary=canary,
         adapters=adapters,
+        placement=consumer,
     )
     thread = (
         None
@@ -162,6 +178,8 @@ def build_worker(
             lambda: registry.encode(status()),
         )
     )
+    if thread is not None and policy.placement:
+        jobs.on_change = thread.nudge
     janitor = Janitor(
         jobs=jobs,
         lifecycle=lifecycle,
@@ -174,6 +192,7 @@ def build_worker(
             claim_idle_s=policy.claim_idle_s,
             start=consumer.start_all,
             in_hand=lambda: jobs.entries_in_hand() | journal.entries_unwritten(),
+            placed=own_streams,
         ),
         gateways=gateways,
         stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),

@@ -30,6 +30,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from shared.queue.liveness import WorkerRegistry
+from shared.queue.worker_streams import Requeue
 from shared.tasks import cancel_and_wait
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.intake.consumer import JobConsumer
@@ -88,6 +89,9 @@ class WorkerRuntime:
                 await self._startup()
             await self._consumer.run()
         finally:
+            # The jobs placed on this worker and not read yet go to the shared streams
+            # at once: other workers start them while this one drains.
+            await self._requeue_own(Requeue.DRAIN)
             # Keep beating (as draining) until every job is finished or handed back:
             # a worker that left the registry first would have its jobs reclaimed while
             # it hands them back, and the job would end up queued twice.
@@ -95,9 +99,17 @@ class WorkerRuntime:
             await cancel_and_wait(helpers)
             with contextlib.suppress(RedisError):
                 await self._registry.remove(self.worker_id)
+            # Nothing is placed here once the liveness key is gone: this moves the last.
+            await self._requeue_own(Requeue.LEAVE)
             with contextlib.suppress(RedisError):
                 await self._journal.flush()
             await cancel_and_wait([journal])
+
+    async def _requeue_own(self, mode: Requeue) -> None:
+        try:
+            await self._consumer.requeue_own(mode)
+        except RedisError as exc:  # the janitors of the pool move them once it is gone
+            log.warning("could not move this worker's placed jobs back: %s", exc)
 
     def stop(self, *, immediate: bool = False) -> None:
         """Stop taking jobs; in-flight ones get the grace period unless ``immediate``."""

@@ -30,6 +30,7 @@ from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
 from gateway.placement.cache_placement import CachePlacement
+from gateway.placement.placer import Placer
 from shared.connections.model_redis import ModelRedis
 from shared.connections.url import shown_url
 from shared.errors import InvalidApiKey
@@ -40,6 +41,10 @@ from shared.queue.usage import UsageRecord
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+LOAD_REFRESH_S = 0.1
+"""With placement on, how often the workers' loads are re-read (workers report a change
+within ``shared.queue.liveness.REPORT_GAP_S``)."""
 
 
 @dataclass(slots=True)
@@ -132,14 +137,17 @@ def build_cells(
     catalog: ModelCatalog,
     gateway_id: str,
     on_usage: Callable[[UsageRecord, RequestTally], None],
+    placer_for: Callable[[aioredis.Redis], Placer | None] = lambda redis: None,
 ) -> RedisCells:
-    """One cell per distinct Redis of ``models``; the home one keeps the control plane."""
+    """One cell per distinct Redis of ``models``; the home one keeps the control plane.
+    ``placer_for``: each cell's placer (None: placement off)."""
 
     def build(url: str, redis: aioredis.Redis, name: str) -> Cell:
         def owns(base: str) -> bool:  # the base models whose adapters are published there
             return models.url_of(base) == url
 
-        return _cell(settings, redis, catalog, gateway_id, on_usage, owns, name)
+        placer = placer_for(redis)
+        return _cell(settings, redis, catalog, gateway_id, on_usage, owns, name, placer)
 
     home = build(models.home_url, models.home, "home")
     others = {
@@ -158,12 +166,18 @@ def _cell(
     on_usage: Callable[[UsageRecord, RequestTally], None],
     owns: Callable[[str], bool],
     name: str,
+    placer: Placer | None,
 ) -> Cell:
     router = ReplyRouter(redis, names.reply_stream(gateway_id))
-    directory = WorkerDirectory(WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s))
+    directory = WorkerDirectory(
+        WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s),
+        load_refresh_s=LOAD_REFRESH_S if placer is not None else None,
+    )
     images = ImageStore(redis, max_stored_bytes=settings.image_store_max_bytes)
     policy = AdmissionPolicy.from_settings(settings)
-    dispatcher = Dispatcher(redis, router, directory, policy, images=images, on_usage=on_usage)
+    dispatcher = Dispatcher(
+        redis, router, directory, policy, images=images, on_usage=on_usage, placer=placer
+    )
     router.on_reconnect = dispatcher.lost.requeue_lost
     return Cell(
         name=name,

@@ -1,11 +1,13 @@
 """Admission: a planned request becomes jobs on a job stream, or a refusal.
 
 ``Dispatcher.submit(plan)`` routes a :class:`~gateway.dispatch.plan.RequestPlan` (first
-stage, encode in front when it has images), builds its jobs, queues them all or
-none (429/503/409) and returns the :class:`~gateway.dispatch.request_handle.RequestHandle`
-whose events the reply router delivers. A handle closed before its last event
-sends a cancel from a shielded task, so the abort leaves even when the caller is
-being cancelled by a client disconnect.
+stage, encode in front when it has images), builds its jobs, asks the placer which
+worker's own stream they should wait on (prefill and aggregated jobs: the injected
+:class:`~gateway.placement.placer.Placer`; decode jobs: by load; encode and embed jobs:
+the shared stream), queues them all or none (429/503/409) and returns the
+:class:`~gateway.dispatch.request_handle.RequestHandle` whose events the reply router
+delivers. A handle closed before its last event sends a cancel from a shielded task,
+so the abort leaves even when the caller is being cancelled by a client disconnect.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from gateway.dispatch.request_accounting import RequestAccounting
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
+from gateway.placement.load import LoadPlacer
+from gateway.placement.placer import Placement, PlacementRequest, Placer
 from shared.connections.connect import db_of
 from shared.connections.retry import Backoff, retry
 from shared.errors import (
@@ -48,7 +52,7 @@ from shared.queue.key_limits import (
     Limits,
     key_limit_error,
 )
-from shared.queue.lora_registry import adapter_stream
+from shared.queue.lora_registry import SERVING_ROLE, adapter_stream
 from shared.queue.media_store import ImageStore
 from shared.queue.usage import UsageRecord
 from shared.roles import Role
@@ -86,8 +90,12 @@ class Dispatcher:
         *,
         images: ImageStore | None = None,
         on_usage: Callable[[UsageRecord, RequestTally], None] = lambda record, tally: None,
+        placer: Placer | None = None,
     ) -> None:
         self._redis = redis
+        self._placer = placer
+        """Where prefill and aggregated jobs wait (None: placement off, all shared)."""
+        self._by_load = LoadPlacer()
         self._images = images or ImageStore(redis)
         self._limit_counters = KeyLimitCounters(redis)
         self._queue = JobQueue(redis)
@@ -110,6 +118,7 @@ class Dispatcher:
         jobs: Sequence[Job],
         plan: AnyPlan,
         opened: OpenedBy | None = None,
+        placed_on: str | None = None,
     ) -> AdmissionResult:
         """Admission that rides out a short Redis outage (a restart takes about a second)."""
         return await retry(
@@ -122,6 +131,7 @@ class Dispatcher:
                 idempotency_ttl_s=self._policy.idempotency_ttl_s,
                 charge=plan.charge,
                 opened=opened,
+                placed_on=placed_on,
             ),
             for_s=self._policy.admission_retry_s,
             backoff=Backoff(first_s=0.1, max_s=1.0),
@@ -147,11 +157,13 @@ class Dispatcher:
         (or the caller is cancelled), and when its handle closes otherwise."""
         work = plan.work
         try:
+            placement = None
             if isinstance(work, Embedding):
                 stream, jobs = self._embed_jobs(plan, work)
             else:
-                stream, jobs = self._generate_jobs(plan, work)
-            return await self._enqueue(stream, jobs, plan)
+                stream, role, jobs = self._generate_jobs(plan, work)
+                placement = self._place(plan, work, role)
+            return await self._enqueue(stream, jobs, plan, placement)
         except BaseException:
             self.release_images(plan)
             raise
@@ -170,9 +182,41 @@ class Dispatcher:
         except RedisError as exc:
             log.warning("could not release the images of %s: %s", request_id, exc)
 
-    def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, list[Job]]:
-        """One job per choice, on the stream of the request's first stage."""
-        stream, after_encode = self._first_stream(plan, work)
+    def _place(self, plan: AnyPlan, work: Generation, role: Role) -> Placement | None:
+        """Where the jobs of a stage in ``role`` wait (None: placement off, or a role whose
+        jobs always wait on the shared stream)."""
+        if self._placer is None:
+            return None
+        if role in (Role.PREFILL, Role.AGGREGATED):
+            placer = self._placer
+        elif role is Role.DECODE:
+            placer = self._by_load  # no prompt to match: a decode job goes by load
+        else:
+            return None  # encode: the embedding cache is keyed by image, not by worker
+        request = PlacementRequest(
+            model=plan.served_by,
+            role=role,
+            lora=plan.adapter,
+            prompt_token_ids=work.choices[0].prompt_token_ids,
+            cache_key=plan.cache_key,
+        )
+        candidates = self._directory.candidates(plan.served_by, role, plan.adapter)
+        placement = placer.place(request, candidates)
+        log.debug(
+            "placement of %s (%s, %s): %s on %s (%d blocks matched, %d candidates)",
+            plan.request_id,
+            plan.model,
+            role,
+            placement.reason,
+            placement.worker_id or "the shared stream",
+            placement.matched_blocks,
+            len(candidates),
+        )
+        return placement
+
+    def _generate_jobs(self, plan: AnyPlan, work: Generation) -> tuple[str, Role, list[Job]]:
+        """One job per choice, on the stream of the request's first stage (and its role)."""
+        stream, role, after_encode = self._first_stream(plan, work)
         jobs: list[Job] = [
             GenerateJob(
                 request_id=plan.request_id,
@@ -189,10 +233,11 @@ class Dispatcher:
             )
             for choice in work.choices
         ]
-        return stream, jobs
+        return stream, role, jobs
 
-    def _first_stream(self, plan: AnyPlan, work: Generation) -> tuple[str, Role | None]:
-        """The stream of the first stage, and the stage after encode (if it is encode)."""
+    def _first_stream(self, plan: AnyPlan, work: Generation) -> tuple[str, Role, Role | None]:
+        """The stream of the first stage, its role, and the stage after encode (if it is
+        encode)."""
         if plan.adapter is not None:  # its own stream, read by the workers that loaded it
             if not self._directory.adapter_ready(plan.adapter):
                 raise NoLiveWorker(
@@ -200,7 +245,7 @@ class Dispatcher:
                     "now; retry shortly",
                     retry_after_s=5,
                 )
-            return adapter_stream(plan.adapter), None
+            return adapter_stream(plan.adapter), SERVING_ROLE, None
         role = self._directory.first_stage(
             plan.model, work.longest_prompt(), self._policy.disagg_min_prompt_tokens
         )
@@ -212,8 +257,8 @@ class Dispatcher:
         # With an encode pool, images go through it first; without, the language
         # worker takes the raw images itself.
         if work.images and self._directory.serving(plan.model, Role.ENCODE):
-            return names.job_stream(plan.model, Role.ENCODE), role
-        return names.job_stream(plan.model, role), None
+            return names.job_stream(plan.model, Role.ENCODE), Role.ENCODE, role
+        return names.job_stream(plan.model, role), role, None
 
     def _embed_jobs(self, plan: AnyPlan, work: Embedding) -> tuple[str, list[Job]]:
         """One embedding job per input, on the model's embed stream."""
@@ -237,13 +282,18 @@ class Dispatcher:
         ]
         return names.job_stream(plan.model, Role.EMBED), jobs
 
-    async def _enqueue(self, stream: str, jobs: list[Job], plan: AnyPlan) -> RequestHandle:
-        """Queue all of ``jobs`` (one request) and open the route for their events."""
+    async def _enqueue(
+        self, stream: str, jobs: list[Job], plan: AnyPlan, placement: Placement | None
+    ) -> RequestHandle:
+        """Queue all of ``jobs`` (one request) on ``stream``'s pool (on the placed worker's
+        own stream when ``placement`` names one) and open the route for their events."""
         request_id = plan.request_id
         self.drain.watch(stream)
         events = self._router.open(request_id)
+        placed_on = placement.worker_id if placement is not None else None
         try:
-            result = await self._admit(stream, jobs, plan, self.accounting.opened_by(plan))
+            opened = self.accounting.opened_by(plan)
+            result = await self._admit(stream, jobs, plan, opened, placed_on)
         except RedisError as exc:
             self._router.close(request_id)
             log.warning("the job queue is unreachable: %s", exc)
@@ -259,6 +309,11 @@ class Dispatcher:
                 retry_after = self.drain.retry_after_s(stream, excess)
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
         log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
+        if result.placed_on is not None:
+            prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+            self._directory.note_placed(result.placed_on, len(jobs), prompt_tokens)
+        elif placed_on is not None:
+            log.debug("%s went to the shared stream: worker %s had left", request_id, placed_on)
         self.accounting.opened(plan)
         if plan.key_id is not None:
             self._open_by_key.setdefault(plan.key_id, set()).add(request_id)

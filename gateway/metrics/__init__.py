@@ -29,6 +29,7 @@ from gateway.dispatch.request_tally import RequestTally
 from gateway.metrics.placement import PlacementMetrics
 from gateway.metrics.vllm import DEFAULT_MAX_MODEL_LEN, ClientMetrics, EngineCollector
 from shared.queue import names
+from shared.queue.job_queue import JobQueue
 from shared.queue.usage import UsageRecord
 
 if TYPE_CHECKING:
@@ -180,14 +181,9 @@ class _ScrapeGauges:
         for (model, role), count in Tally((w.model, w.role.value) for w in live).items():
             self.workers.labels(model, role).set(count)
         streams = sorted({names.job_stream(w.model, w.role) for w in live})
-        depths: list[Any] = []
-        if streams:
-            async with redis.pipeline(transaction=False) as pipe:
-                for stream in streams:
-                    pipe.xlen(stream)
-                depths = await pipe.execute()
-        for stream, depth in zip(streams, depths, strict=True):
-            self.queue_depth.labels(stream).set(int(depth))
+        queue = JobQueue(redis)
+        for stream in streams:  # the shared stream and the workers' own ones
+            self.queue_depth.labels(stream).set(await queue.depth(stream))
 
 
 class RequestMetrics:

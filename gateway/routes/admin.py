@@ -155,6 +155,12 @@ async def admin_state(state: StateDep) -> dict[str, Any]:
         "workers": sorted(w.worker_id for c in state.cells.all() for w in c.directory.all()),
         "pools": _pools(state),
         "placement_index": _placement_index(state),
+        "placement": state.settings.placement,
+        "loads": {
+            worker_id: load
+            for cell in state.cells.all()
+            for worker_id, load in cell.directory.loads().items()
+        },
     }
     if state.control is not None:
         _, body["control"] = await state.control.readiness()

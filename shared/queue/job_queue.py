@@ -39,38 +39,59 @@ log = logging.getLogger(__name__)
 _ADMIT = (
     ADMIT_LIMITS_LUA
     + """
--- KEYS: stream, idempotency key ('' = none), admitted marker, then the key-limit
--- counters (see shared.queue.key_limits), then the gateway's open-requests hash (when the
--- open record is given), then the request's JSON-schema key. ARGV: max depth, idempotency
--- ttl, request id, protocol version, job count, 1 if the request is limited, then the
+-- KEYS: the shared stream, idempotency key ('' = none), admitted marker, then the
+-- key-limit counters (see shared.queue.key_limits), then the gateway's open-requests hash
+-- (when the open record is given), then the request's JSON-schema key. ARGV: max depth,
+-- idempotency ttl, request id, protocol version, job count, 1 if the request is limited,
+-- the pool's placed-workers set, the prefix of its workers' own streams, the worker the
+-- jobs are placed on ('' = none), its liveness key, the pool's steal tickets, then the
 -- limit arguments (when limited), then one payload per job, then the JSON schema ('' =
 -- none: stored once for all the jobs) and its ttl, then the open record
 -- (shared.queue.open_requests; optional), then its hash's ttl.
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
-local first_job = limited and (7 + LIMIT_ARGS) or 7
+local members, own_prefix, worker, beat, tickets = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local first_job = limited and (12 + LIMIT_ARGS) or 12
 local none = {0, 0, 0, 0}
+-- the pool's depth: the shared stream and every worker's own one
+local function pool_depth()
+  local depth = redis.call('XLEN', stream)
+  for _, member in ipairs(redis.call('SMEMBERS', members)) do
+    depth = depth + redis.call('XLEN', own_prefix .. member)
+  end
+  return depth
+end
 if redis.call('EXISTS', admitted) == 1 then
   -- a retry whose first try landed (its reply was lost): queued once, not twice
-  return {'queued', tostring(redis.call('XLEN', stream)), none}
+  return {'queued', tostring(pool_depth()), none, ''}
 end
 if idem ~= '' then
   local existing = redis.call('GET', idem)
-  if existing then return {'duplicate', existing, none} end
+  if existing then return {'duplicate', existing, none, ''} end
 end
 local used = none
 if limited then
   local over
-  over, used = limits_check(4, 7)
-  if over then return {'limited', over, used} end
+  over, used = limits_check(4, 12)
+  if over then return {'limited', over, used, ''} end
 end
-local depth = redis.call('XLEN', stream)
-if depth + count > max_depth then return {'full', tostring(depth), used} end
+local depth = pool_depth()
+if depth + count > max_depth then return {'full', tostring(depth), used, ''} end
+-- placed only on a live worker: once its liveness key is gone (it left or died), nothing
+-- lands on its stream that its last requeue would not see
+local target = stream
+if worker ~= '' and redis.call('EXISTS', beat) == 1 then
+  target = own_prefix .. worker
+  redis.call('SADD', members, worker)
+  redis.call('XADD', tickets, '*', 'w', worker)
+else
+  worker = ''
+end
 for i = first_job, first_job + count - 1 do
-  redis.call('XADD', stream, '*', 'v', version, 'm', ARGV[i])
+  redis.call('XADD', target, '*', 'v', version, 'm', ARGV[i])
 end
-if limited then used = limits_charge(4, 7, used) end
+if limited then used = limits_charge(4, 12, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
 local schema = ARGV[first_job + count]
 if schema ~= '' then
@@ -82,7 +103,7 @@ if opened then
   redis.call('EXPIRE', KEYS[#KEYS - 1], tonumber(ARGV[first_job + count + 3]))
 end
 redis.call('SET', admitted, '1', 'EX', 600)
-return {'queued', tostring(depth + count), used}
+return {'queued', tostring(depth + count), used, worker}
 """.replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
 )
 
@@ -144,6 +165,9 @@ class AdmissionResult:
     or the limit the request would pass (limited: a :class:`LimitKind` value)."""
     usage: LimitUsage | None = None
     """With a limited key: its counts after admission (or at refusal)."""
+    placed_on: str | None = None
+    """The worker whose own stream the jobs went to (None: the shared stream; also when
+    the worker asked for had left)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +180,25 @@ class OpenedBy:
 
 @dataclass(frozen=True, slots=True)
 class JobStream:
-    """The job stream of one (model, role)."""
+    """The shared job stream of one (model, role) pool, or (``worker`` set) one worker's
+    own stream in that pool."""
 
     model: str
     role: Role
+    worker: str | None = None
+
+    @property
+    def shared(self) -> str:
+        return names.job_stream(self.model, self.role)
 
     @property
     def name(self) -> str:
-        return names.job_stream(self.model, self.role)
+        shared = self.shared
+        return shared if self.worker is None else names.worker_job_stream(shared, self.worker)
+
+    def own(self, worker_id: str) -> JobStream:
+        """The pool's stream of ``worker_id``."""
+        return JobStream(self.model, self.role, worker_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +208,13 @@ class Delivery:
     job: Job
     role: Role
     """The role of the stream it was read from (a job's run keys are per role)."""
+    shared: str = ""
+    """The pool's shared stream when read from a worker's own stream ('' otherwise)."""
+
+    @property
+    def shared_stream(self) -> str:
+        """Where the job counts as done, is dead-lettered and is handed back to."""
+        return self.shared or self.stream
 
 
 class JobQueue:
@@ -193,11 +235,15 @@ class JobQueue:
         idempotency_ttl_s: int = 3600,
         charge: LimitCharge | None = None,
         opened: OpenedBy | None = None,
+        placed_on: str | None = None,
     ) -> AdmissionResult:
         """Queue all of ``jobs`` or none. Safe to retry: a request is queued at most once.
 
-        With ``charge``, the key's limits are checked and counted in the same step; with
-        ``opened``, the request's open record is stored (shared/queue/open_requests.py).
+        ``stream`` is the pool's shared stream; with ``placed_on`` (a worker id) the jobs
+        go to that worker's own stream instead while it is alive (the shared one if not),
+        with a steal ticket. The depth cap counts the whole pool. With ``charge``, the
+        key's limits are checked and counted in the same step; with ``opened``, the
+        request's open record is stored (shared/queue/open_requests.py).
         ``idempotency_owner`` (the API key's id) scopes ``idempotency_key`` to that key.
         """
         if not jobs:
@@ -214,6 +260,11 @@ class JobQueue:
             VERSION,
             len(jobs),
             1 if charge is not None else 0,
+            names.placed_workers(stream),
+            names.worker_job_stream(stream, ""),
+            placed_on or "",
+            names.worker_heartbeat(placed_on or ""),
+            names.steal_tickets(stream),
         ]
         limit_keys = charge.keys() if charge is not None else []
         limit_args = charge.args() if charge is not None else []
@@ -227,12 +278,13 @@ class JobQueue:
             open_keys = [names.open_requests(opened.gateway_id)]
             open_args = [encode_open(opened.record), OPEN_TTL_S]
         schema_key = names.json_schema(jobs[0].request_id)
-        outcome, detail, counts = await self._admit(
+        outcome, detail, counts, worker = await self._admit(
             keys=[stream, idem, admitted, *limit_keys, *open_keys, schema_key],
             args=[*header, *limit_args, *payloads, *schema_args, *open_args],
         )
         usage = usage_from_reply(charge, counts) if charge is not None else None
-        return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage)
+        placed = as_text(worker) or None
+        return AdmissionResult(Admission(as_text(outcome)), as_text(detail), usage, placed)
 
     async def ensure_group(self, stream: str) -> None:
         try:
@@ -251,10 +303,11 @@ class JobQueue:
         )
         deliveries: list[Delivery] = []
         for raw_stream, entries in reply or []:
-            deliveries += await self._decode_entries(by_name[as_text(raw_stream)], entries)
+            deliveries += await self.decode_entries(by_name[as_text(raw_stream)], entries)
         return deliveries
 
-    async def _decode_entries(self, stream: JobStream, entries: list[Any]) -> list[Delivery]:
+    async def decode_entries(self, stream: JobStream, entries: list[Any]) -> list[Delivery]:
+        """``entries`` (id, fields) read from ``stream``; malformed ones are dead-ended."""
         deliveries: list[Delivery] = []
         for raw_id, fields in entries:
             entry_id = as_text(raw_id)
@@ -265,7 +318,8 @@ class JobQueue:
                 await self.ack(stream.name, entry_id)
                 continue
             if isinstance(message, GenerateJob | EmbedJob):
-                deliveries.append(Delivery(stream.name, entry_id, message, stream.role))
+                shared = stream.shared if stream.worker is not None else ""
+                deliveries.append(Delivery(stream.name, entry_id, message, stream.role, shared))
             else:
                 log.error("dropping non-job entry %s on %s", entry_id, stream.name)
                 await self.ack(stream.name, entry_id)
@@ -331,7 +385,7 @@ class JobQueue:
         entries: Any = await self._redis.xclaim(
             stream.name, names.JOB_GROUP, consumer, min_idle_ms, list(ids)
         )
-        return await self._decode_entries(stream, [e for e in entries or [] if e and e[1]])
+        return await self.decode_entries(stream, [e for e in entries or [] if e and e[1]])
 
     async def _idle_entries(
         self, stream: JobStream, *, min_idle_ms: int, count: int, consumer: str | None = None
@@ -359,4 +413,10 @@ class JobQueue:
             await pipe.execute()
 
     async def depth(self, stream: str) -> int:
-        return int(await self._redis.xlen(stream))
+        """Jobs queued or running in the pool of ``stream`` (its shared stream's name)."""
+        members = await self._redis.smembers(names.placed_workers(stream))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(stream)
+            for member in sorted(members):
+                pipe.xlen(names.worker_job_stream(stream, as_text(member)))
+            return sum(int(n) for n in await pipe.execute())

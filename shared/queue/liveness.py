@@ -68,9 +68,33 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
     engine_stats: EngineStats | None = None
     """The engine's scheduler state and counters (shared/engine_stats.py); None for
     engines that report none."""
+    waiting: int = 0
+    """Jobs held that have not started: the engine's queue, and those read but not in the
+    engine yet (placement's load)."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens of the jobs held whose prompt is not computed yet."""
+    reads_placed: bool = False
+    """The worker reads its own job stream (CONVEYOR_PLACEMENT on): jobs may be placed on it."""
+    steals: int = 0
+    """Jobs it took from other workers' own streams since it started (placement reason
+    ``steal``)."""
+    reported_ms: int = 0
+    """When this entry was written (wall clock, ms): a newer one is a newer report."""
 
 
 _decoder = msgspec.json.Decoder(WorkerRegistration)
+
+
+def _decoded(values: list[bytes | str | None]) -> list[WorkerRegistration]:
+    workers = []
+    for value in values:
+        if value is None:
+            continue
+        try:
+            workers.append(_decoder.decode(value))
+        except msgspec.DecodeError:
+            continue
+    return workers
 
 
 class WorkerRegistry:
@@ -96,16 +120,14 @@ class WorkerRegistry:
         found = [key async for key in self._redis.scan_iter(names.WORKER_HEARTBEAT_PATTERN, 500)]
         if not found:
             return []
-        values = await self._redis.mget(found)
-        workers = []
-        for value in values:
-            if value is None:
-                continue
-            try:
-                workers.append(_decoder.decode(value))
-            except msgspec.DecodeError:
-                continue
-        return workers
+        return _decoded(await self._redis.mget(found))
+
+    async def entries(self, worker_ids: list[str]) -> list[WorkerRegistration]:
+        """The registry entries of ``worker_ids`` that are still there (one MGET)."""
+        if not worker_ids:
+            return []
+        values = await self._redis.mget([names.worker_heartbeat(w) for w in worker_ids])
+        return _decoded(values)
 
     async def dead(self, worker_ids: Iterable[str]) -> set[str]:
         """Those of ``worker_ids`` whose liveness key has expired (one round trip)."""
@@ -146,6 +168,8 @@ def forget_dead_process(redis_url: str, pid: int, host: str | None = None) -> li
 # ------------------------------------------------------------------ heartbeat thread
 
 BEAT_TICK_S = 0.25
+REPORT_GAP_S = 0.075
+"""A change of load is reported this soon, and a heartbeat written no more often."""
 SLOW_BEAT_S = 0.5
 """A SET taking this long means Redis (not this process's event loop) stalled."""
 
@@ -182,6 +206,7 @@ class HeartbeatThread:
         self._beat_busy = False
         self._slow_beat_at = -1e9
         self._stop = threading.Event()
+        self._nudged = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         self.beats = 0
         """Beats that reached Redis (tests wait on it)."""
@@ -197,6 +222,7 @@ class HeartbeatThread:
             # Joined here, blocking: a beat landing after the worker left the registry
             # would bring it back to life for a TTL.
             self._stop.set()
+            self._nudged.set()
             self._thread.join(5.0)
             self._client.close()
 
@@ -207,7 +233,15 @@ class HeartbeatThread:
                 self._beat()
             else:
                 log.error("event loop stalled for %.1fs: no heartbeat until it answers", stalled_s)
-            self._stop.wait(self._interval_s)
+            beaten = time.monotonic()
+            self._nudged.wait(self._interval_s)
+            self._nudged.clear()
+            # a change reported early, but never more often than this
+            self._stop.wait(max(0.0, REPORT_GAP_S - (time.monotonic() - beaten)))
+
+    def nudge(self) -> None:
+        """The worker's load changed: beat soon (at most every ``REPORT_GAP_S``)."""
+        self._nudged.set()
 
     def _beat(self) -> None:
         self._beat_started = time.monotonic()

@@ -18,9 +18,32 @@ def command_channel(db: int) -> str:
     return COMMAND_CHANNEL if db == 0 else f"{COMMAND_CHANNEL}:{db}"
 
 
+_JOBS = f"{PREFIX}:jobs:"
+
+
 def job_stream(model: str, role: Role) -> str:
-    """One stream per (model, role)."""
-    return f"{PREFIX}:jobs:{model}:{role}"
+    """One shared stream per (model, role): the pool's queue, read by all its workers."""
+    return f"{_JOBS}{model}:{role}"
+
+
+def worker_job_stream(shared_stream: str, worker_id: str) -> str:
+    """A worker's own job stream in the pool of ``shared_stream``: jobs placed on it. Its
+    own prefix, so nothing that suffixes the shared streams (``:dead``, ``:done``) meets
+    it; a job read from it counts, dead-letters and hands back on the shared one."""
+    return f"{PREFIX}:placed:{shared_stream.removeprefix(_JOBS)}:{worker_id}"
+
+
+def placed_workers(shared_stream: str) -> str:
+    """Set: the workers of the pool of ``shared_stream`` that may have an own job stream
+    (admission counts their depth; the janitors requeue the streams of the dead ones)."""
+    return f"{PREFIX}:placed-workers:{shared_stream.removeprefix(_JOBS)}"
+
+
+def steal_tickets(shared_stream: str) -> str:
+    """Stream: one ticket per request placed in the pool of ``shared_stream`` (naming its
+    worker), read by the pool's workers with free slots through :data:`JOB_GROUP`: each
+    ticket wakes one of them, which steals the job if it is still unread when due."""
+    return f"{PREFIX}:steal:{shared_stream.removeprefix(_JOBS)}"
 
 
 def dead_letter_stream(job_stream_name: str) -> str:

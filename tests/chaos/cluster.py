@@ -145,14 +145,18 @@ class Cluster:
         a job; a heartbeat's ``active`` count can lag a short request by its whole run.
         """
         client = self.redis_client()
+        by_consumer: dict[str, int] = {}
         try:
             stream = names.job_stream(MODEL_NAME, Role.AGGREGATED)
-            summary = client.xpending(stream, names.JOB_GROUP) if client.exists(stream) else {}
+            # the shared stream and, with placement, every worker's own one
+            for key in [stream, *client.scan_iter(names.worker_job_stream(stream, "*"))]:
+                if not client.exists(key):
+                    continue
+                for c in client.xpending(key, names.JOB_GROUP).get("consumers") or []:
+                    name = c["name"].decode()
+                    by_consumer[name] = by_consumer.get(name, 0) + int(c["pending"])
         finally:
             client.close()
-        by_consumer = {
-            c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or []
-        }
         return {
             name: sum(n for wid, n in by_consumer.items() if f"-{process.popen.pid}-" in wid)
             for name, process in self.workers.items()

@@ -197,8 +197,10 @@ async def leftovers(cluster: Cluster, timeout_s: float = 15.0) -> dict[str, int]
         client = cluster.redis_client()
         try:
             stream = names.job_stream("chaos", Role.AGGREGATED)
+            placed = client.scan_iter(names.worker_job_stream(stream, "*"))
             state = {
                 "queued_or_running": int(client.xlen(stream)),
+                "placed_queued_or_running": sum(int(client.xlen(key)) for key in placed),
                 "pending_entries": int(client.xpending(stream, names.JOB_GROUP)["pending"]),
                 "run_journals": len(list(client.scan_iter(names.RUN_PATTERN))),
                 "engine_requests": sum(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -43,6 +44,16 @@ class LoraReport(Protocol):
     def report(self) -> dict[str, str]: ...
 
 
+class PlacementReport(Protocol):
+    """The job consumer's placement figures (:class:`workers.intake.consumer.JobConsumer`)."""
+
+    @property
+    def reads_placed(self) -> bool: ...
+
+    @property
+    def steals(self) -> int: ...
+
+
 class WorkerStatus:
     def __init__(
         self,
@@ -54,6 +65,7 @@ class WorkerStatus:
         lifecycle: Lifecycle,
         canary: Canary,
         adapters: LoraReport | None = None,
+        placement: PlacementReport | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._role = role
@@ -62,11 +74,18 @@ class WorkerStatus:
         self._lifecycle = lifecycle
         self._canary = canary
         self._adapters = adapters
+        self._placement = placement
 
     def __call__(self) -> WorkerRegistration:
         engine = self._parts.engine
         stats = engine.prompt_stats
         adapters = self._adapters
+        engine_stats = (
+            engine.engine_stats.snapshot()
+            if isinstance(engine, ReportsStats) and engine.engine_stats.enabled
+            else None
+        )
+        placement = self._placement
         return WorkerRegistration(
             worker_id=self._worker_id,
             role=self._role,
@@ -87,11 +106,12 @@ class WorkerStatus:
             embedding_cache=self._parts.cache_stats(),
             adapters={} if adapters is None else adapters.report(),
             adapters_generation=0 if adapters is None else adapters.generation,
-            engine_stats=(
-                engine.engine_stats.snapshot()
-                if isinstance(engine, ReportsStats) and engine.engine_stats.enabled
-                else None
-            ),
+            engine_stats=engine_stats,
+            waiting=self._jobs.not_started() + (engine_stats.waiting if engine_stats else 0),
+            queued_prefill_tokens=self._jobs.queued_prefill_tokens(),
+            reads_placed=placement is not None and placement.reads_placed,
+            steals=0 if placement is None else placement.steals,
+            reported_ms=int(time.time() * 1000),
         )
 
 

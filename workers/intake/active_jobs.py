@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from workers.journal.run_journal import RunLease
@@ -34,6 +34,10 @@ class ActiveJobs:
         """The jobs in the engine when it died (None while it lives)."""
         self.handing_back = False
         """Set while the runtime hands every job back: finished tasks keep their slots."""
+        self._first_seq: dict[str, int] = {}
+        """Each job's seq when it started here: no event taken since = prompt not done."""
+        self.on_change: Callable[[], None] = lambda: None
+        """Called when a job starts or ends (the heartbeat reports the load early)."""
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -43,6 +47,22 @@ class ActiveJobs:
 
     def add(self, run: JobRun, task: asyncio.Task[None]) -> None:
         self._runs[run.lease.job_id] = (run, task)
+        self._first_seq[run.lease.job_id] = run.lease.next_seq
+        self.on_change()
+
+    def not_started(self) -> int:
+        """Jobs read here that have not reached the engine yet."""
+        running = {run.lease.delivery.entry_id for run, _ in self._runs.values()}
+        leasing = len(self._starting - running)
+        return leasing + len(self._runs) - len(self._in_engine & self._runs.keys())
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the jobs here that have not sent anything yet."""
+        return sum(
+            len(run.lease.delivery.job.prompt_token_ids)
+            for job_id, (run, _) in self._runs.items()
+            if run.lease.next_seq == self._first_seq.get(job_id)
+        )
 
     def done(self, job_id: str) -> None:
         """The job's task has ended: its slot is free (unless everything is handed back)."""
@@ -50,7 +70,9 @@ class ActiveJobs:
         self._in_engine.discard(job_id)
         if not self.handing_back:
             self._runs.pop(job_id, None)
+            self._first_seq.pop(job_id, None)
             self._slot_freed.set()
+            self.on_change()
 
     def entering_engine(self, job_id: str) -> bool:
         """The job's run is about to reach the engine; False once the engine is dead

@@ -152,5 +152,5 @@ async def dead_letter(
     fields = encode(without_stored_schema(lease.delivery.job))
     fields[b"reason"] = reason.encode()
     fields[b"entry"] = lease.delivery.entry_id.encode()
-    stream = names.dead_letter_stream(lease.delivery.stream)
+    stream = names.dead_letter_stream(lease.delivery.shared_stream)
     await redis.xadd(stream, fields, maxlen=max_len, approximate=False)  # type: ignore[arg-type]

@@ -1,7 +1,9 @@
 """Steps 1-3 of the worker loop: read jobs, lease them through the intake checks, run them.
 
 1. Read up to ``free slots`` jobs from the role's stream (pull = least-loaded
-   balancing across workers); the janitor passes in jobs it reclaimed.
+   balancing across workers); with placement, this worker's own stream first, in the
+   same blocking read, and the jobs the steal tickets it holds let it take
+   (:mod:`workers.intake.stealing`); the janitor passes in jobs it reclaimed.
 2. Lease a whole read in one round trip (:meth:`RunJournal.begin_all`, with
    :meth:`Intake.clients_gone`) and apply the intake checks: drop, fail cleanly,
    or run. A start that Redis fails is tried again at once, with backoff, for as
@@ -17,15 +19,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared.connections.connect import MAX_BLOCK_MS
 from shared.connections.retry import Backoff
 from shared.errors import EngineDead, EngineError
 from shared.queue.job_queue import Delivery, JobQueue, JobStream
+from shared.queue.worker_streams import Requeue, WorkerStreams
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.intake.checks import Intake, Verdict
 from workers.intake.recent_cancels import RecentCancels
+from workers.intake.stealing import Stealer
 from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles.base import JobRun, NewRun
 
@@ -37,35 +41,91 @@ START_RETRY_MAX_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """Reading with placement on: this worker's own streams, and stealing."""
+
+    streams: WorkerStreams
+    stealer: Stealer
+
+
+@dataclass(frozen=True, slots=True)
 class JobReader:
     """This worker's reads of its role's job streams (the model's, plus one per LoRA
     adapter loaded here: :meth:`add` / :meth:`remove`; the janitor shares the list)."""
 
     queue: JobQueue
     streams: list[JobStream]
+    """The shared streams of the pools this worker serves."""
     consumer: str
     block_ms: int
+    placed: Placed | None = None
 
     async def prepare(self) -> None:
         for stream in self.streams:
-            await self.queue.ensure_group(stream.name)
+            await self._ensure_groups(stream)
+
+    async def _ensure_groups(self, stream: JobStream) -> None:
+        await self.queue.ensure_group(stream.name)
+        if self.placed is not None:
+            await self.placed.streams.ensure_groups(stream, self.consumer)
 
     async def read(self, count: int) -> list[Delivery]:
         block_ms = min(self.block_ms, MAX_BLOCK_MS)
         if not self.streams:
             await asyncio.sleep(block_ms / 1000)
             return []
-        return await self.queue.read(self.streams, self.consumer, count=count, block_ms=block_ms)
+        if self.placed is None:
+            return await self.queue.read(
+                self.streams, self.consumer, count=count, block_ms=block_ms
+            )
+        return await self._read_placed(self.placed, count, block_ms)
+
+    async def _read_placed(self, placed: Placed, count: int, block_ms: int) -> list[Delivery]:
+        """Own streams first, then the shared ones, and the steal tickets, in one blocking
+        read (it blocks no longer than until a held ticket is due); then the steals due."""
+        pools = list(self.streams)
+        wait_ms = placed.stealer.wait_ms(block_ms)
+        try:
+            read = await placed.streams.read(
+                [pool.own(self.consumer) for pool in pools] + pools,
+                pools,
+                self.consumer,
+                count=count,
+                block_ms=wait_ms or None,
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # a stream forgotten while this worker looked dead (a stall): make it again
+            log.warning("job read found a stream without its group (%s); recreating", exc)
+            await self.prepare()
+            return []
+        await placed.stealer.hold(read.tickets)
+        stolen = await placed.stealer.steal_due(count - len(read.deliveries), pools)
+        return read.deliveries + stolen
+
+    async def requeue_own(self, mode: Requeue) -> int:
+        """Move the unread jobs placed on this worker back to their shared streams."""
+        if self.placed is None:
+            return 0
+        moved = 0
+        for pool in list(self.streams):
+            moved += max(0, await self.placed.streams.requeue(pool, self.consumer, mode))
+        if moved:
+            log.info("moved %d unread placed job(s) back to the shared streams", moved)
+        return moved
 
     async def add(self, stream: JobStream) -> None:
         """Read ``stream`` too, from the next read on (its consumer group is created)."""
-        await self.queue.ensure_group(stream.name)
+        await self._ensure_groups(stream)
         if stream not in self.streams:
             self.streams.append(stream)
 
-    def remove(self, stream: JobStream) -> None:
+    async def remove(self, stream: JobStream) -> None:
         if stream in self.streams:
             self.streams.remove(stream)
+        if self.placed is not None:
+            await self.placed.streams.requeue(stream, self.consumer, Requeue.LEAVE)
 
 
 class JobConsumer:
@@ -131,9 +191,22 @@ class JobConsumer:
         await self._reader.add(stream)
 
     async def remove_stream(self, stream: JobStream) -> None:
-        """Stop reading ``stream``; returns once no job read from it is still starting."""
-        self._reader.remove(stream)
+        """Stop reading ``stream``; returns once no job read from it is still starting
+        (the jobs placed on this worker in its pool go back to its shared stream)."""
+        await self._reader.remove(stream)
         await self.quiesce()
+
+    async def requeue_own(self, mode: Requeue) -> int:
+        return await self._reader.requeue_own(mode)
+
+    @property
+    def steals(self) -> int:
+        placed = self._reader.placed
+        return 0 if placed is None else placed.stealer.steals
+
+    @property
+    def reads_placed(self) -> bool:
+        return self._reader.placed is not None
 
     async def start_all(self, deliveries: list[Delivery]) -> None:
         """Lease and start every delivery of one read, in one round trip for the batch.

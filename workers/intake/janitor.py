@@ -4,9 +4,11 @@ Every ``interval_s``:
 
 1. Renew this worker's claim on each running job, fenced (only while the job is
    still this run's); stop the jobs another run took over.
-2. Reclaim the jobs of workers whose heartbeat expired, once idle for
-   ``claim_idle_s``, and start them here; never a live worker's jobs, however
-   slow. After a stall (Redis, or this worker) hold off for a heartbeat TTL, so
+2. Move the unread jobs placed on workers whose heartbeat expired back to their
+   shared streams (at once), and while this worker drains, its own. Reclaim the jobs
+   of workers whose heartbeat expired, once idle for ``claim_idle_s`` (on the shared
+   streams and on workers' own ones), and start them here; never a live worker's jobs,
+   however slow. After a stall (Redis, or this worker) hold off for a heartbeat TTL, so
    that heartbeats that lapsed during it can resume. Safety net: an entry nobody
    renewed for ``STALE_ENTRY_MS`` is restarted, logged as ``SAFETY_NET_LOG``.
 3. Restart this worker's own entries that nothing here starts, runs or writes
@@ -26,11 +28,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared.queue import names
 from shared.queue.job_queue import Delivery, JobQueue, JobStream
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
+from shared.queue.worker_streams import Requeue, WorkerStreams
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.journal.run_journal import RunJournal
 
@@ -84,10 +87,12 @@ class Reclaimer:
         claim_idle_s: float,
         start: Callable[[list[Delivery]], Awaitable[None]],
         in_hand: Callable[[], set[str]],
+        placed: WorkerStreams | None = None,
     ) -> None:
         self._queue = queue
         self._registry = registry
-        self._streams = streams
+        self._pools = streams
+        self._placed = placed
         self._worker_id = worker_id
         self._claim_idle_s = claim_idle_s
         self._start = start
@@ -95,13 +100,65 @@ class Reclaimer:
         """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
         self._suspects: dict[str, dict[str, float]] = {}
         """Per stream: own entries found idle and not in hand, and since when."""
+        self._own_pending: dict[JobStream, bool] = {}
+        """Per pool: whether this worker's own stream had pending entries at the last
+        sweep (checked when unknown): only then is it looked at entry by entry."""
+
+    @property
+    def _streams(self) -> list[JobStream]:
+        """The shared streams this worker reads (adapters' come and go) and, with
+        placement, its own ones that hold pending entries (read here, or stolen)."""
+        pools = list(self._pools)
+        if self._placed is None:
+            return pools
+        own = [pool.own(self._worker_id) for pool in pools if self._own_pending.get(pool, True)]
+        return pools + own
+
+    async def requeue_dead(self) -> list[JobStream]:
+        """Move the unread jobs placed on dead workers back to the shared streams (a
+        stream found empty is forgotten); returns the dead workers' streams left, whose
+        read jobs are reclaimed as any dead worker's."""
+        if self._placed is None:
+            return []
+        found = []
+        for pool in list(self._pools):
+            pending, dead = await self._placed.sweep(pool, self._worker_id)
+            self._own_pending[pool] = pending > 0
+            for worker in sorted(dead):
+                moved, kept = await self._placed.requeue_and_look(pool, worker, Requeue.DEAD)
+                if moved > 0:
+                    log.warning(
+                        "moved %d unread job(s) placed on dead worker %s back to %s",
+                        moved,
+                        worker,
+                        pool.name,
+                    )
+                if moved >= 0 and kept:  # what it had read is pending there
+                    found.append(pool.own(worker))
+        return found
+
+    async def requeue_own(self) -> None:
+        """This worker takes no jobs (it drains or is paused): the jobs placed on it since
+        go back to the shared streams."""
+        if self._placed is None:
+            return
+        for pool in list(self._pools):
+            moved = await self._placed.requeue(pool, self._worker_id, Requeue.DRAIN)
+            if moved:
+                log.info("draining: moved %d placed job(s) back to %s", moved, pool.name)
 
     async def reclaim(self, free_slots: Callable[[], int]) -> None:
-        for stream in list(self._streams):  # adapters' streams come and go meanwhile
+        dead_streams = await self.requeue_dead()
+        for stream in self._streams + dead_streams:
             free = free_slots()
             if free <= 0:
                 return
-            dead = await self._dead_consumers(stream)
+            try:
+                dead = await self._dead_consumers(stream)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue  # a dead worker's stream another janitor has just forgotten
             deliveries = []
             if dead:
                 deliveries = await self._queue.reclaim(
@@ -241,6 +298,8 @@ class Janitor:
                     )
                 if taking_jobs and time.monotonic() >= hold_reclaim_until:
                     await self._reclaimer.reclaim(self._jobs.free)
+                if not taking_jobs:
+                    await self._reclaimer.requeue_own()
                 if time.monotonic() - last_orphan_check > self._timing.orphan_check_s:
                     last_orphan_check = time.monotonic()
                     await self._drop_orphans()

@@ -247,6 +247,7 @@ class RunJournal:
             payload=encode_payload(without_stored_schema(delivery.job)),
             group=names.JOB_GROUP,
             graceful="0" if failed else "1",
+            requeue_to=delivery.shared_stream,
         )
         return await self._scripts.hand_back(lease.run_key, args)
 
@@ -265,7 +266,7 @@ class RunJournal:
             stream=delivery.stream,
             entry=delivery.entry_id if ack else "",
             group=names.JOB_GROUP,
-            done_key=names.stream_done_counter(delivery.stream),
+            done_key=names.stream_done_counter(delivery.shared_stream),
         )
         return await self._retrying(
             lambda: self._scripts.forward(lease.run_key, lease.emitted_key, args), "forward"

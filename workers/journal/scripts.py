@@ -161,13 +161,15 @@ class HandBackArgs(NamedTuple):
     group: str
     graceful: str
     """'1': a drain, which is not a failed delivery; '0': after an engine death."""
+    requeue_to: str
+    """The pool's shared stream (a job read from a worker's own stream goes back there)."""
 
 
 HAND_BACK = f"""
 local run = KEYS[1]
 {lua_locals(HandBackArgs._fields)}
 if redis.call('HGET', run, 'owner') ~= fence then return 0 end
-redis.call('XADD', stream, '*', 'v', version, 'm', payload)
+redis.call('XADD', requeue_to, '*', 'v', version, 'm', payload)
 redis.call('XACK', stream, group, entry)
 redis.call('XDEL', stream, entry)
 redis.call('HDEL', run, 'owner')

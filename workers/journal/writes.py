@@ -59,7 +59,7 @@ class JobWrites:
             tokens=pack_tokens(self.tokens),
             ack_stream=stream if self.finish else "",
             ack_entry=lease.delivery.entry_id if self.finish else "",
-            done_key=names.stream_done_counter(stream),
+            done_key=names.stream_done_counter(self.lease.delivery.shared_stream),
             sent=names.sent_tally(lease.delivery.job.request_id),
             sent_tokens=self.sent_tokens,
             now_ms=int(time.time() * 1000),
