@@ -14,7 +14,7 @@ class PlacementMetrics:
         self.placements = Counter(
             "conveyor_placements",
             "Jobs placed, by reason: cache (on the worker holding most of the prompt), "
-            "cache_key (prompt_cache_key affinity), load, shared (not placed), steal.",
+            "cache_key (prompt_cache_key affinity), load, shared (not placed).",
             ["model_name", "reason"],
             registry=registry,
         )
