@@ -27,7 +27,7 @@ from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
-from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
+from gateway.routes import admin, health, loras, metrics, openai, requests, vllm, workers
 from gateway.state import GatewayState
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
@@ -106,6 +106,7 @@ def build_app(
     app.include_router(admin.router)
     app.include_router(loras.router)
     app.include_router(workers.router)
+    app.include_router(requests.router)
     return app
 
 

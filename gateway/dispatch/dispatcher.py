@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.dispatch.drain_rate import DrainMeter
 from gateway.dispatch.lost_admissions import Admitted, LostAdmissions
 from gateway.dispatch.plan import AnyPlan, Embedding, Generation
+from gateway.dispatch.queue_watch import QueueBoard
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_accounting import RequestAccounting
 from gateway.dispatch.request_handle import RequestHandle
@@ -100,6 +101,8 @@ class Dispatcher:
         self._on_usage = on_usage
         self.accounting = RequestAccounting(redis, names.gateway_of_reply_stream(router.stream))
         self.drain = DrainMeter(redis)
+        self.queue_board = QueueBoard(redis, self.drain)
+        """Where queued streams stand (their SSE position comments)."""
         self.lost = LostAdmissions(
             redis, router, self.accounting.gateway_id, self._readmit, self._in_background
         )

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from gateway.catalog.served_models import ModelKind, ServedModel
 from gateway.control.records import ANONYMOUS, Principal
 from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, W
+from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
 from gateway.openai.logprob_rows import Echo
@@ -244,7 +245,8 @@ async def _generate(
     receive: Receive,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
-    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    cell = state.cells.for_model(plan.served_by)
+    handle = await cell.dispatcher.submit(plan)
     if body.stream:
         events = stream_events(
             handle,
@@ -254,6 +256,7 @@ async def _generate(
             include_usage=body.include_usage(),
             keepalive_s=state.settings.sse_keepalive_s,
             prompt_tokens=_prompt_tokens(plan) if body.continuous_usage() else None,
+            queue=QueueWatch(cell.dispatcher.queue_board, plan.request_id),
         )
         return EventStreamResponse(events, handle)  # the response owns the handle now
     async with handle:

@@ -4,13 +4,17 @@ workers, driven by the official ``openai`` client. No vLLM starts: this takes se
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.stack import Stack, wait_until
 
@@ -111,3 +115,44 @@ def test_n_choices_and_logprobs(client: openai.OpenAI) -> None:
         assert choice.logprobs is not None and choice.logprobs.content is not None
         assert len(choice.logprobs.content) == 5
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+def scrape(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str) -> float:
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+def test_metrics_under_a_burst(fake_stack: tuple[Stack, str], client: openai.OpenAI) -> None:
+    """During a burst the workers' heartbeats show running sequences, and afterwards the
+    gateway's generation-token counter grew by exactly what the clients counted."""
+    _, base_url = fake_stack
+    before = total(scrape(base_url), "vllm:generation_tokens_total")
+
+    def one(_: int) -> int:
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=400, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(one, i) for i in range(8)]
+        running = 0.0
+        while not all(f.done() for f in burst) and running == 0:
+            running = total(scrape(base_url), "vllm:num_requests_running")
+            time.sleep(0.05)
+        counted = sum(f.result() for f in burst)
+    assert running > 0
+    after = total(scrape(base_url), "vllm:generation_tokens_total")
+    assert after - before == counted > 0

@@ -3,11 +3,16 @@ tokens, queue depth and live workers (the real app in process, fake workers)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.engine_stats import EngineStats
+from shared.protocol import Event, FinishEvent, Job
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
+from tests.gateway.fake_worker import echo
 from tests.gateway.harness import BODIES, CHAT, EMBEDDINGS, LiveGateway, error_of
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -87,6 +92,30 @@ async def test_vllm_client_metrics_of_a_streamed_request(gateway: LiveGateway) -
     assert value(samples, "vllm:request_success_total", **model, finished_reason="length") == 1
     ttft_le = {**model, "le": "0.001"}  # vLLM's first TTFT bucket
     assert ("vllm:time_to_first_token_seconds_bucket", frozenset(ttft_le.items())) in samples
+
+
+async def test_queue_time_is_admission_to_the_workers_start(gateway: LiveGateway) -> None:
+    """The worker's finish event says when it began the job; the gateway observes
+    vllm:request_queue_time_seconds from its own admission time to that."""
+
+    async def began_late(job: Job) -> AsyncIterator[Sequence[Event]]:
+        async for batch in echo(job):
+            yield [
+                msgspec.structs.replace(e, started_unix=job.created_unix + 0.4)
+                if isinstance(e, FinishEvent)
+                else e
+                for e in batch
+            ]
+
+    gateway.workers[0].script = began_late
+    response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "max_tokens": 2, "n": 2})
+    assert response.status_code == 200
+    samples = await scrape(gateway)
+    model = {"model_name": "tiny"}
+    assert value(samples, "vllm:request_queue_time_seconds_count", **model) == 2
+    assert abs(value(samples, "vllm:request_queue_time_seconds_sum", **model) - 0.8) < 1e-6
+    assert value(samples, "vllm:request_queue_time_seconds_bucket", **model, le="0.3") == 0
+    assert value(samples, "vllm:request_queue_time_seconds_bucket", **model, le="0.5") == 2
 
 
 async def test_vllm_engine_metrics_come_from_the_heartbeats(gateway: LiveGateway) -> None:
