@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from shared.roles import Role
-from shared.tasks import cancel_and_wait
 from tests.gateway.harness import BODIES, CHAT, LiveGateway
 from tests.waiting import eventually
 
@@ -20,7 +19,7 @@ STREAMED = {**BODIES[CHAT], "max_tokens": 2, "stream": True}
 @pytest.fixture
 async def no_taker(gateway: LiveGateway) -> LiveGateway:
     """The aggregated worker stopped (jobs stay queued), the queue read every 50 ms."""
-    await cancel_and_wait([t for t in [gateway.workers[0].task] if t is not None])
+    await gateway.workers[0].stop()
     gateway.state.cells.home.dispatcher.queue_board.poll_s = 0.05
     return gateway
 

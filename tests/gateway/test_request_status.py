@@ -12,7 +12,6 @@ from gateway.routes.requests import _find
 from shared.errors import RequestNotFound
 from shared.queue import names
 from shared.roles import Role
-from shared.tasks import cancel_and_wait
 from tests.gateway.fake_worker import silent
 from tests.gateway.harness import BODIES, CHAT, LiveGateway
 
@@ -27,7 +26,7 @@ async def status_of(gateway: LiveGateway, request_id: str) -> dict[str, object]:
 async def test_a_queued_stream_shows_its_position_and_a_cancel_ends_it(
     gateway: LiveGateway,
 ) -> None:
-    await cancel_and_wait([t for t in [gateway.workers[0].task] if t is not None])  # no taker
+    await gateway.workers[0].stop()  # no taker
     body = {**BODIES[CHAT], "max_tokens": 3, "stream": True}
     async with gateway.call(CHAT, body) as first, gateway.call(CHAT, body) as second:
         assert await first.start() == 200
