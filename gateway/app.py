@@ -26,6 +26,7 @@ from gateway.error_handlers import install_error_handlers
 from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.metrics.request_trace import RequestTracing
 from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.routes import admin, health, loras, metrics, openai, requests, vllm, workers
 from gateway.state import GatewayState
@@ -37,6 +38,7 @@ from shared.queue import names
 from shared.queue.media_store import ImageStore
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
+from shared.tracing.tracer import build_tracer
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     )
             await state.images.aclose()
             await model_redis.aclose()
+            state.tracer.shutdown()
 
     return build_app(settings, lifespan)
 
@@ -99,6 +102,7 @@ def build_app(
     )
     app.add_middleware(EdgeGuard)
     app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestTracing)
     app.include_router(openai.router)
     app.include_router(vllm.router)
     app.include_router(health.router)
@@ -166,6 +170,9 @@ def build_state(
         cells=cells,
         unknown_fields=UnknownFieldLog(),
         images=_image_inputs(settings, cells.home.images),
+        tracer=build_tracer(
+            settings.otlp_endpoint, settings.trace_sample_ratio, "conveyor-gateway", gateway_id
+        ),
     )
 
 

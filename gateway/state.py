@@ -15,6 +15,7 @@ from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
 from shared.settings import GatewaySettings
+from shared.tracing.spans import Tracer
 
 
 @dataclass(slots=True)
@@ -31,6 +32,8 @@ class GatewayState:
     unknown_fields: UnknownFieldLog
     images: ImageInputs
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tracer: Tracer = field(default_factory=Tracer)
+    """Spans over OTLP when an endpoint is set (gateway/metrics/request_trace.py)."""
     draining: bool = False
     control: ControlPlane | None = None
     """SQL-backed parts (API keys, usage ledger); set by the lifespan (:meth:`attach`)."""

@@ -147,6 +147,9 @@ class GenerateJob(
     started_unix: float | None = None
     """When the job's first stage (encode, prefill) began it: the stage that forwards it
     sets this, so the last stage reports the request's queue time, not its own."""
+    traceparent: str | None = None
+    """The request's W3C trace context (its gateway span): a worker's spans for this job
+    join that trace (shared/tracing). None: the gateway does not trace."""
 
     @property
     def job_id(self) -> str:
@@ -167,6 +170,8 @@ class EmbedJob(
     created_unix: float
     dimensions: int | None = None
     """Matryoshka truncation, for models that support it."""
+    traceparent: str | None = None
+    """As :attr:`GenerateJob.traceparent`."""
 
     @property
     def job_id(self) -> str:

@@ -17,6 +17,7 @@ from shared.queue.job_queue import JobQueue, JobStream
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.roles import Role
 from shared.settings import WorkerSettings
+from shared.tracing.spans import Tracer
 from workers.commands.admin import WorkerAdmin
 from workers.commands.listener import CommandListener
 from workers.commands.lora_sync import LoraReconciler, LoraTiming
@@ -34,6 +35,7 @@ from workers.intake.janitor import (
     stall_check,
 )
 from workers.intake.recent_cancels import RecentCancels
+from workers.intake.run_trace import RunTracer
 from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
 from workers.journal.scripts import JournalScripts
 from workers.roles.base import RoleParts
@@ -93,6 +95,7 @@ def build_worker(
     timing: Timing = Timing(),
     scripts: JournalScripts | None = None,
     recent_cancels: RecentCancels | None = None,
+    tracer: Tracer | None = None,
 ) -> WorkerRuntime:
     """A worker of ``role`` serving ``model``. ``heartbeat_redis_url`` set: beat from a
     thread with its own connection to that Redis (else from the event loop)."""
@@ -120,6 +123,7 @@ def build_worker(
         new_run=parts.new_run,
         recent_cancels=recent,
         on_start=canary.note_activity,
+        runs_traced=RunTracer(tracer, worker_id) if tracer is not None else None,
     )
     adapters = LoraReconciler(
         redis=redis,

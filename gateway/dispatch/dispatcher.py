@@ -189,6 +189,7 @@ class Dispatcher:
                 images=work.images,
                 after_encode=after_encode,
                 adapter=plan.adapter,
+                traceparent=plan.traceparent,
             )
             for choice in work.choices
         ]
@@ -235,6 +236,7 @@ class Dispatcher:
                 deadline_unix=plan.deadline.deadline_unix,
                 created_unix=plan.deadline.created_unix,
                 dimensions=work.dimensions,
+                traceparent=plan.traceparent,
             )
             for index, prompt in enumerate(work.prompts)
         ]

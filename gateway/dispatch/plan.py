@@ -87,6 +87,8 @@ class RequestPlan(Generic[W]):
     """The LoRA adapter it runs with (``model`` is the adapter's name then)."""
     base_model: str | None = None
     """The model whose workers (and Redis) serve it: ``model``, or the adapter's base."""
+    traceparent: str | None = None
+    """The request's trace context, carried by its jobs (None: not traced)."""
 
     @property
     def served_by(self) -> str:

@@ -39,10 +39,11 @@ from fastapi.responses import JSONResponse
 
 from gateway.catalog.served_models import ModelKind, ServedModel
 from gateway.control.records import ANONYMOUS, Principal
-from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, W
+from gateway.dispatch.plan import AnyPlan, Deadline, Embedding, Generation, RequestPlan, W
 from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
+from gateway.metrics.request_trace import RequestTrace
 from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import OutputParser
 from gateway.openai.responses import ChatWriter, CompletionWriter, Json, ResponseWriter
@@ -78,6 +79,8 @@ class RequestHeaders:
     timeout_s: float | None
     principal: Principal = ANONYMOUS
     """Who the request acts as (its API key; ANONYMOUS while auth is off)."""
+    trace: RequestTrace | None = None
+    """The request's trace (None: tracing is off)."""
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -97,7 +100,7 @@ async def chat_completions(
         tokens_as_ids=body.return_tokens_as_token_ids,
         echo=body.echoed(),
     )
-    return await _generate(state, plan, body, fmt, receive)
+    return await _generate(state, plan, body, headers, fmt, receive)
 
 
 async def completions(
@@ -114,14 +117,14 @@ async def completions(
         top_logprobs=body.logprobs,
         echo=echo,
     )
-    return await _generate(state, plan, body, fmt, receive)
+    return await _generate(state, plan, body, headers, fmt, receive)
 
 
 async def embeddings(
     state: GatewayState, body: EmbeddingRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan = await plan_embeddings(state, body, headers)
-    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    handle = await submit(state, plan, headers)
     async with handle:
         result = await unless_disconnected(collect_embeddings(handle, body, plan.model), receive)
     return _json_answer(result, handle)
@@ -147,7 +150,7 @@ async def plan_chat(
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
     images = await state.images.load(parts, deadline, state.cells.for_model(model.base).images)
     work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
-    plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers.principal)
+    plan = _plan("chatcmpl", model, work, deadline, idempotency_key, headers)
     return plan, tool_plan.parser
 
 
@@ -161,7 +164,7 @@ async def plan_completion(
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     work = Generation(tuple(choices), (), body.n)
-    plan = _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
+    plan = _plan("cmpl", model, work, deadline, idempotency_key, headers)
     echo = None
     if body.echo:
         echo = await asyncio.to_thread(translate.echoes, body, choices, model)
@@ -176,7 +179,7 @@ async def plan_embeddings(
     limits.check_jobs(len(embedding_inputs(body)), state.settings, "input")
     prompts = await asyncio.to_thread(input_token_ids, body, model)
     work = Embedding(tuple(prompts), body.dimensions)
-    return _plan("embd", model, work, deadline, idempotency_key, headers.principal)
+    return _plan("embd", model, work, deadline, idempotency_key, headers)
 
 
 async def _admit(
@@ -212,10 +215,11 @@ def _plan(
     work: W,
     deadline: Deadline,
     idempotency_key: str | None,
-    principal: Principal,
+    headers: RequestHeaders,
 ) -> RequestPlan[W]:
     """The request's plan, with what it costs against its key's limits (if any)."""
     request_id = _new_id(prefix)
+    principal = headers.principal
     plan = RequestPlan(
         request_id,
         model.name,
@@ -225,6 +229,7 @@ def _plan(
         principal.key_id,
         adapter=model.adapter,
         base_model=model.base,
+        traceparent=headers.trace.traceparent if headers.trace is not None else None,
     )
     if principal.key_id is None or not principal.limits.any():
         return plan
@@ -237,16 +242,27 @@ def _plan(
 # ----------------------------------------------------------------------- delivery
 
 
+async def submit(state: GatewayState, plan: AnyPlan, headers: RequestHeaders) -> RequestHandle:
+    """Queue the plan's jobs (the dispatcher of its model's Redis); the request's trace
+    notes how long that took."""
+    started = time.time()
+    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    if headers.trace is not None:
+        headers.trace.admitted(started, handle.tally)
+    return handle
+
+
 async def _generate(
     state: GatewayState,
     plan: RequestPlan[Generation],
     body: SamplingFields,
+    headers: RequestHeaders,
     fmt: ResponseWriter,
     receive: Receive,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
     cell = state.cells.for_model(plan.served_by)
-    handle = await cell.dispatcher.submit(plan)
+    handle = await submit(state, plan, headers)
     if body.stream:
         events = stream_events(
             handle,

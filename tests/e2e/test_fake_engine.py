@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.stack import Stack, wait_until
+from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -27,8 +29,20 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 
 
 @pytest.fixture(scope="module")
+def otlp() -> Iterator[OtlpReceiver]:
+    """The stack's OTLP receiver: every process of the fake stack traces to it."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+def traced(otlp: OtlpReceiver) -> dict[str, str]:
+    """A process's tracing settings (spans exported every 100 ms, not every 5 s)."""
+    return {"CONVEYOR_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
+@pytest.fixture(scope="module")
 def fake_stack(
-    demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+    demo_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver
 ) -> Iterator[tuple[Stack, str]]:
     client = redis.Redis.from_url(FAKE_REDIS_URL)
     client.flushdb()
@@ -40,10 +54,10 @@ def fake_stack(
         tmp_path_factory.mktemp("fake-logs"),
         data_dir=tmp_path_factory.mktemp("fake-data"),
     )
-    fake = {"CONVEYOR_ENGINE": "fake", "CONVEYOR_FAKE_STEP_BASE_MS": "1"}
+    fake = {"CONVEYOR_ENGINE": "fake", "CONVEYOR_FAKE_STEP_BASE_MS": "1", **traced(otlp)}
     try:
         workers = [stack.start_worker(f"fake-{i}", **fake) for i in range(2)]
-        _, base_url = stack.start_gateway()
+        _, base_url = stack.start_gateway(**traced(otlp))
         wait_until(f"{base_url}/ready", status=200, process=workers[0], timeout_s=60)
         yield stack, base_url
     finally:
@@ -156,3 +170,112 @@ def test_metrics_under_a_burst(fake_stack: tuple[Stack, str], client: openai.Ope
     assert running > 0
     after = total(scrape(base_url), "vllm:generation_tokens_total")
     assert after - before == counted > 0
+
+
+# ------------------------------------------------------------------------- tracing
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+def live_workers(base_url: str) -> list[dict[str, object]]:
+    workers: list[dict[str, object]] = httpx.get(f"{base_url}/admin/workers", timeout=5).json()[
+        "data"
+    ]
+    return workers
+
+
+def command(base_url: str, worker_id: object, name: str) -> None:
+    answer = httpx.post(f"{base_url}/admin/workers/{worker_id}/{name}", timeout=10)
+    assert answer.status_code == 200, answer.text
+
+
+@contextmanager
+def stream_when_served(
+    base_url: str, body: dict[str, object], headers: dict[str, str]
+) -> Iterator[httpx.Response]:
+    """The stream's response once the gateway has seen a worker take the model (its
+    worker directory is refreshed every second)."""
+    deadline = time.monotonic() + 15
+    while True:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=30
+        ) as response:
+            if response.status_code != 503 or time.monotonic() > deadline:
+                assert response.status_code == 200, response.read()
+                yield response
+                return
+        time.sleep(0.2)
+
+
+def wait_for_spans(otlp: OtlpReceiver, runs: int) -> list[ReceivedSpan]:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        spans = otlp.trace(CLIENT_TRACE)
+        if sum(span.name == "aggregated run" for span in spans) >= runs:
+            return spans
+        time.sleep(0.1)
+    raise AssertionError(f"spans of the trace: {otlp.trace(CLIENT_TRACE)}")
+
+
+def test_a_trace_follows_a_request_through_a_migration(
+    fake_stack: tuple[Stack, str], otlp: OtlpReceiver
+) -> None:
+    """A stream starts on a slow worker, which is stopped (no grace: it hands the job
+    back); another worker finishes it. The client's trace holds the gateway's spans and
+    both runs, each from the worker process that did it."""
+    stack, base_url = fake_stack
+    others = [w["worker_id"] for w in live_workers(base_url)]
+    for worker_id in others:
+        command(base_url, worker_id, "drain")
+    slow = stack.start_worker(
+        "fake-slow",
+        CONVEYOR_ENGINE="fake",
+        CONVEYOR_FAKE_STEP_BASE_MS="40",
+        CONVEYOR_SHUTDOWN_GRACE_S="0",
+        **traced(otlp),
+    )
+    try:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 30, "stream": True}
+        headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+        tokens, finish = 0, ""
+        with stream_when_served(base_url, body, headers) as response:
+            assert response.headers["x-trace-id"] == CLIENT_TRACE
+            for line in response.iter_lines():
+                if '"finish_reason":"' in line:
+                    finish = line
+                if line.startswith("data: {") and '"content":"' in line:
+                    tokens += 1
+                    if tokens == 3:  # the slow worker is mid-stream: stop it
+                        slow.terminate()
+                        for worker_id in others:
+                            command(base_url, worker_id, "resume")
+        assert '"finish_reason":"length"' in finish  # the whole answer, once
+        assert slow.reap(time.monotonic() + 30) == 0
+    finally:
+        for worker_id in others:
+            command(base_url, worker_id, "resume")
+        slow.stop()
+    spans = wait_for_spans(otlp, runs=2)
+    assert {span.trace_id for span in spans} == {CLIENT_TRACE}
+    by_name: dict[str, list[ReceivedSpan]] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    [server] = [  # (a 503 before the gateway saw the new worker is a span of its own)
+        span
+        for span in by_name["POST /v1/chat/completions"]
+        if span.attributes["http.response.status_code"] == 200
+    ]
+    assert server.parent_span_id == CLIENT_SPAN and server.service == "conveyor-gateway"
+    assert {span.parent_span_id for span in by_name["admission"] + by_name["delivery"]} == {
+        server.span_id
+    }
+    first, second = sorted(by_name["aggregated run"], key=lambda span: span.start_ns)
+    assert first.parent_span_id == second.parent_span_id == server.span_id
+    assert first.instance != second.instance  # two worker processes
+    assert first.attributes["conveyor.run_end"] == "handed_back" and first.error
+    assert second.attributes["conveyor.run_end"] == "done"
+    assert second.attributes["conveyor.resumed_tokens"] >= 3
+    assert len(by_name["queue wait"]) == 2
+    stages = {span.name for span in spans if span.parent_span_id == second.span_id}
+    assert stages == {"prefill", "decode"}
