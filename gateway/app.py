@@ -160,6 +160,7 @@ def build_state(
     if model_redis is None:
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
+    metrics.vllm.start_series(m.name for m in catalog.all())
     cells = build_cells(settings, model_redis, catalog, gateway_id, metrics.observe_usage)
     return GatewayState(
         metrics=metrics,

@@ -70,6 +70,13 @@ class ClientMetrics:
             registry=r,
         )
 
+    def start_series(self, models: Iterable[str]) -> None:
+        """Each served model's token counters at 0 from the start (as vLLM's own), so the
+        first request's tokens are an increase ``rate()`` sees, not a new series."""
+        for model in models:
+            self.prompt_tokens.labels(model)
+            self.generation_tokens.labels(model)
+
     def observe(self, record: UsageRecord, tally: RequestTally) -> None:
         """One finished request (its usage record and what its handle counted)."""
         model = record.model

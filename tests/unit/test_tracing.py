@@ -10,8 +10,8 @@ from shared.protocol import EmbedJob, GenerateJob, SamplingOptions
 from shared.queue.job_queue import Delivery
 from shared.roles import Role
 from shared.tracing.spans import Attributes, Tracer
-from shared.tracing.tracer import build_tracer, traces_url
 from shared.tracing.traceparent import TraceParent, parse
+from shared.tracing.tracer import build_tracer, traces_url
 from workers.intake.run_trace import RunEnd, RunTimes, RunTracer, entry_unix
 from workers.journal.run_journal import RunLease
 
