@@ -4,11 +4,14 @@ workers, driven by the official ``openai`` client. No vLLM starts: this takes se
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +20,7 @@ import redis
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.stack import Stack, wait_until
+from tests.e2e.stack import Process, Stack, free_port, wait_until
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -76,6 +79,97 @@ def test_workers_say_they_are_fake(fake_stack: tuple[Stack, str]) -> None:
     for name in ("fake-0", "fake-1"):
         log = (stack.log_dir / f"{name}.log").read_text()
         assert "fake engine (no model)" in log and "its output is not a model's" in log
+
+
+# ------------------------------------------------------------- a real Prometheus
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    fake_stack: tuple[Stack, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Debian's Prometheus scraping the stack's gateway every second; its HTTP API URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary (scripts/install.sh installs Debian's package)")
+    _, base_url = fake_stack
+    folder = tmp_path_factory.mktemp("prometheus")
+    target = base_url.removeprefix("http://")
+    (folder / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - {{job_name: conveyor, static_configs: [{{targets: ['{target}']}}]}}\n"
+    )
+    port = free_port()
+    log_path = folder / "prometheus.log"
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    process = Process("prometheus", popen, log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(f"{url}/-/ready", status=200, process=process, timeout_s=60)
+        yield url
+    finally:
+        process.stop()
+
+
+def promql(url: str, query: str, at: float | None = None) -> list[dict[str, Any]]:
+    params = {"query": query} if at is None else {"query": query, "time": str(at)}
+    answer = httpx.get(f"{url}/api/v1/query", params=params, timeout=10).json()
+    assert answer["status"] == "success", answer
+    result: list[dict[str, Any]] = answer["data"]["result"]
+    return result
+
+
+def test_prometheus_sees_the_burst_the_clients_saw(
+    fake_stack: tuple[Stack, str], prometheus: str, client: openai.OpenAI
+) -> None:
+    """A real Prometheus scraping /metrics every second: vllm:num_requests_running rose
+    during a burst, and rate(vllm:generation_tokens_total[1m]) is the tokens the clients
+    counted. Early in the module: the TSDB starts at the stack's first zero, so rate()
+    extrapolates nothing (its window holds every sample, from 0)."""
+    while not promql(prometheus, "vllm:generation_tokens_total"):  # a first scrape
+        time.sleep(0.2)
+    started = time.time()
+    counted = burst(client, streams=8, max_tokens=400)
+    seen = time.time() + 2.5  # two more scrapes
+    time.sleep(max(0.0, seen - time.time()))
+    [last] = promql(prometheus, "timestamp(vllm:generation_tokens_total)")
+    at = float(last["value"][1])  # no extrapolation past the last sample
+    window = f"[{int(at - started) + 2}s:1s]"
+    [running] = promql(prometheus, f"max_over_time(sum(vllm:num_requests_running){window})", at)
+    assert float(running["value"][1]) > 0
+    [rate] = promql(prometheus, "sum(rate(vllm:generation_tokens_total[1m]))", at)
+    per_minute = float(rate["value"][1]) * 60
+    assert abs(per_minute - counted) <= 0.05 * counted, (per_minute, counted)
+
+
+def burst(client: openai.OpenAI, *, streams: int, max_tokens: int) -> int:
+    """``streams`` concurrent streams; the completion tokens their clients counted."""
+
+    def one(_: int) -> int:
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    with ThreadPoolExecutor(streams) as pool:
+        return sum(pool.map(one, range(streams)))
 
 
 def test_chat_streams_with_usage(client: openai.OpenAI) -> None:
