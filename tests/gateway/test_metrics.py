@@ -151,3 +151,41 @@ async def test_vllm_engine_metrics_come_from_the_heartbeats(gateway: LiveGateway
     # Workers whose engine reports nothing (the harness's) have no engine series.
     running = [key for key in samples if key[0] == "vllm:num_requests_running"]
     assert [dict(labels)["worker"] for _, labels in running] == ["w-stats"]
+
+
+async def test_workers_by_state_dead_letters_and_migrations(gateway: LiveGateway) -> None:
+    """Live workers by state (the registry entry's flags), each stream's dead letters,
+    and migrated sequence runs (events of a later attempt) when the request ends."""
+    cell = gateway.state.cells.for_model("tiny")
+    registry = WorkerRegistry(cell.redis, ttl_s=60)
+    for worker_id, flags in (("w-new", {"ready": False}), ("w-drain", {"draining": True})):
+        await registry.beat(
+            WorkerRegistration(
+                worker_id=worker_id,
+                role=Role.AGGREGATED,
+                model="tiny",
+                max_model_len=2048,
+                active=0,
+                slots=8,
+                **flags,
+            )
+        )
+    await cell.directory.refresh()
+    await cell.redis.xadd("conveyor:jobs:tiny:aggregated:dead", {"reason": "poison"})
+
+    async def migrated(job: Job) -> AsyncIterator[Sequence[Event]]:
+        async for batch in echo(job):
+            yield [msgspec.structs.replace(e, attempt=1) for e in batch]
+
+    gateway.workers[0].script = migrated
+    response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "max_tokens": 2, "n": 2})
+    assert response.status_code == 200
+    await gateway.state.cells.wait_background()
+    samples = await scrape(gateway)
+    tiny = {"model": "tiny", "role": "aggregated"}
+    assert value(samples, "conveyor_workers", **tiny, state="ready") == 1  # the harness's
+    assert value(samples, "conveyor_workers", **tiny, state="starting") == 1
+    assert value(samples, "conveyor_workers", **tiny, state="draining") == 1
+    stream = "conveyor:jobs:tiny:aggregated"
+    assert value(samples, "conveyor_dead_letters", stream=stream) == 1
+    assert value(samples, "conveyor_migrations_total", model="tiny") == 1
