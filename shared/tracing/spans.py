@@ -1,5 +1,5 @@
 """What a span recorder offers; :class:`Tracer` itself is tracing off (every call does
-nothing, no SDK imported). :mod:`shared.tracing.otlp` records for real.
+nothing, no SDK tracer loaded). :mod:`shared.tracing.otlp` records for real.
 
 Spans are recorded with the times they began and ended, once those are known: the
 code that measures a stage passes two timestamps and a parent, and holds no span open

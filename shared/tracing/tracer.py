@@ -1,7 +1,7 @@
 """The process's tracer: :func:`build_tracer` gives an exporting one when an OTLP endpoint
 is set (``CONVEYOR_OTLP_ENDPOINT``, else the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``),
 and otherwise a :class:`~shared.tracing.spans.Tracer` whose every call does nothing. The
-OpenTelemetry SDK is imported only in the first case (:mod:`shared.tracing.otlp`).
+OpenTelemetry SDK's tracer and exporter are imported only then (:mod:`shared.tracing.otlp`).
 """
 
 from __future__ import annotations
