@@ -37,6 +37,10 @@ COMPOSE_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("HF_CACHE_DIR", "~/.cache/huggingface", "Host Hugging Face cache, mounted at /hf-cache."),
     ("ADAPTERS_DIR", "./adapters", "Host folder of LoRA adapters, mounted at /adapters."),
     ("REDIS_MAXMEMORY", "2gb", "Redis maxmemory (noeviction: a full Redis refuses new jobs)."),
+    ("METRICS_KEY", "", "observability profile: Prometheus' API key (default: the admin key)."),
+    ("PROMETHEUS_PUBLISH", "127.0.0.1:9090", "Host address:port Prometheus is published on."),
+    ("GRAFANA_PUBLISH", "127.0.0.1:3000", "Host address:port Grafana is published on."),
+    ("GRAFANA_ADMIN_PASSWORD", "", "Grafana's `admin` password (default: the admin key)."),
 )
 """(name, default, meaning) of every variable compose.yaml interpolates."""
 

@@ -26,10 +26,11 @@ from gateway.error_handlers import install_error_handlers
 from gateway.images.fetch import FetchPolicy, ImageFetcher
 from gateway.images.inputs import ImageInputs
 from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.metrics.request_trace import RequestTracing
 from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.placement.cache_placement import CachePlacement
 from gateway.placement.placer import Placer
-from gateway.routes import admin, health, loras, metrics, openai, vllm, workers
+from gateway.routes import admin, health, loras, metrics, openai, requests, vllm, workers
 from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
@@ -39,6 +40,7 @@ from shared.queue import names
 from shared.queue.media_store import ImageStore
 from shared.settings import GatewaySettings
 from shared.tasks import cancel_and_wait
+from shared.tracing.tracer import build_tracer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     )
             await state.images.aclose()
             await model_redis.aclose()
+            state.tracer.shutdown()
 
     return build_app(settings, lifespan)
 
@@ -101,6 +104,7 @@ def build_app(
     )
     app.add_middleware(EdgeGuard)
     app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestTracing)
     app.include_router(openai.router)
     app.include_router(vllm.router)
     app.include_router(health.router)
@@ -108,6 +112,7 @@ def build_app(
     app.include_router(admin.router)
     app.include_router(loras.router)
     app.include_router(workers.router)
+    app.include_router(requests.router)
     return app
 
 
@@ -157,6 +162,7 @@ def build_state(
     if model_redis is None:
         model_redis = ModelRedis(settings.redis_url, {}, connect, home=redis)
     metrics = GatewayMetrics(max((m.max_model_len for m in catalog.all()), default=2048))
+    metrics.vllm.start_series(m.name for m in catalog.all())
     placements: dict[int, CachePlacement] = {}
 
     def placer_for(cell_redis: aioredis.Redis) -> Placer | None:
@@ -180,6 +186,9 @@ def build_state(
         cells=cells,
         unknown_fields=UnknownFieldLog(),
         images=_image_inputs(settings, cells.home.images),
+        tracer=build_tracer(
+            settings.otlp_endpoint, settings.trace_sample_ratio, "conveyor-gateway", gateway_id
+        ),
     )
 
 

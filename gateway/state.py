@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.placement.cache_placement import CachePlacement, build_cache_placement
 from shared.settings import GatewaySettings
+from shared.tracing.spans import Tracer
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class GatewayState:
     unknown_fields: UnknownFieldLog
     images: ImageInputs
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tracer: Tracer = field(default_factory=Tracer)
+    """Spans over OTLP when an endpoint is set (gateway/metrics/request_trace.py)."""
     draining: bool = False
     control: ControlPlane | None = None
     """SQL-backed parts (API keys, usage ledger); set by the lifespan (:meth:`attach`)."""

@@ -56,4 +56,16 @@ if ! command -v docker-compose >/dev/null; then
     echo "warning: no docker-compose; tests/deploy cannot validate compose.yaml" >&2
   fi
 fi
+# Prometheus (Debian's), for the end-to-end test that scrapes a running stack and checks
+# the metrics with PromQL (tests/e2e/test_fake_engine.py). Its service is not started.
+if ! command -v prometheus >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null &&
+        apt-get install -y -q --no-install-recommends prometheus >/dev/null; }) ||
+      echo "warning: could not install prometheus; its end-to-end test is skipped" >&2
+  else
+    echo "warning: no prometheus binary; its end-to-end test is skipped" >&2
+  fi
+fi
 echo "installed: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1)"

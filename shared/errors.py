@@ -212,6 +212,20 @@ class ResponseNotFound(ConveyorError):
     type = "invalid_request_error"
 
 
+class RequestNotFound(ConveyorError):
+    status = 404
+    type = "invalid_request_error"
+    code = "request_not_found"
+
+
+class RequestCancelled(ConveyorError):
+    """``POST /v1/requests/{id}/cancel`` ended the request (its stream gets this last)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "request_cancelled"
+
+
 class RetryableError(ConveyorError):
     """The request may succeed later; responses carry ``Retry-After``."""
 

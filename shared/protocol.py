@@ -144,6 +144,12 @@ class GenerateJob(
     adapter: str | None = None
     """The LoRA adapter to run with (its registered name; ``model`` is that name too, so
     the job travels on the adapter's own streams: see shared/queue/lora_registry.py)."""
+    started_unix: float | None = None
+    """When the job's first stage (encode, prefill) began it: the stage that forwards it
+    sets this, so the last stage reports the request's queue time, not its own."""
+    traceparent: str | None = None
+    """The request's W3C trace context (its gateway span): a worker's spans for this job
+    join that trace (shared/tracing). None: the gateway does not trace."""
 
     @property
     def job_id(self) -> str:
@@ -164,6 +170,8 @@ class EmbedJob(
     created_unix: float
     dimensions: int | None = None
     """Matryoshka truncation, for models that support it."""
+    traceparent: str | None = None
+    """As :attr:`GenerateJob.traceparent`."""
 
     @property
     def job_id(self) -> str:
@@ -171,6 +179,13 @@ class EmbedJob(
 
 
 Job = GenerateJob | EmbedJob
+
+
+def started_now(job: GenerateJob, now_unix: float) -> GenerateJob:
+    """``job`` as a stage forwards it: stamped with when its first stage began it."""
+    if job.started_unix is not None:
+        return job
+    return msgspec.structs.replace(job, started_unix=now_unix)
 
 
 # ------------------------------------------------------------------------- events
@@ -235,6 +250,9 @@ class FinishEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind"
     completion_tokens: int
     cached_tokens: int | None = None
     """Prompt tokens served from the engine's prefix cache, where the engine reports it."""
+    started_unix: float | None = None
+    """When a worker first began the job (its first stage's start; vLLM's queue time is
+    from the request's arrival to this)."""
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, array_like=True, tag_field="kind", tag="err"):

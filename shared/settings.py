@@ -151,6 +151,20 @@ class CommonSettings(BaseSettings):
         description="On SIGTERM, how long in-flight requests may finish before the rest is "
         "handed back to the queue (and migrates).",
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector to send traces to, over OTLP/HTTP (protobuf): "
+        "a base URL (`http://otel-collector:4318`; `/v1/traces` is added) or the full "
+        "traces URL. Unset: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT; none of them set: tracing is off and costs nothing.",
+    )
+    trace_sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces recorded when tracing is on (a request that "
+        "arrives with a sampled `traceparent` is always recorded).",
+    )
     log_level: str = Field(
         "INFO",
         description="Python log level of Conveyor's own lines on the console. Engines' and "

@@ -19,6 +19,7 @@ from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
 from shared.queue.worker_streams import WorkerStreams
 from shared.roles import Role
 from shared.settings import WorkerSettings
+from shared.tracing.spans import Tracer
 from workers.commands.admin import WorkerAdmin
 from workers.commands.listener import CommandListener
 from workers.commands.lora_sync import LoraReconciler, LoraTiming
@@ -38,6 +39,7 @@ from workers.intake.janitor import (
     stall_check,
 )
 from workers.intake.recent_cancels import RecentCancels
+from workers.intake.run_trace import RunTracer
 from workers.intake.stealing import Stealer
 from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
 from workers.journal.scripts import JournalScripts
@@ -105,6 +107,7 @@ def build_worker(
     timing: Timing = Timing(),
     scripts: JournalScripts | None = None,
     recent_cancels: RecentCancels | None = None,
+    tracer: Tracer | None = None,
 ) -> WorkerRuntime:
     """A worker of ``role`` serving ``model``. ``heartbeat_redis_url`` set: beat from a
     thread with its own connection to that Redis (else from the event loop)."""
@@ -140,6 +143,7 @@ def build_worker(
         new_run=parts.new_run,
         recent_cancels=recent,
         on_start=canary.note_activity,
+        runs_traced=RunTracer(tracer, worker_id) if tracer is not None else None,
     )
     adapters = LoraReconciler(
         redis=redis,

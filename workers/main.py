@@ -18,6 +18,7 @@ import uvloop
 from shared.connections.connect import connect
 from shared.roles import Role
 from shared.settings import EngineKind, Settings
+from shared.tracing.tracer import build_tracer
 from workers.assembly import WorkerPolicy, build_worker
 from workers.roles.table import ROLES
 
@@ -68,14 +69,19 @@ async def serve(settings: Settings) -> int:
         loaded.engine.shutdown()
         return 0
     redis = connect(settings.redis_url)
+    worker_id = new_worker_id(settings.role)
+    tracer = build_tracer(
+        settings.otlp_endpoint, settings.trace_sample_ratio, "conveyor-worker", worker_id
+    )
     runtime = build_worker(
-        worker_id=new_worker_id(settings.role),
+        worker_id=worker_id,
         role=settings.role,
         model=served_name,
         parts=loaded.connect(redis),
         redis=redis,
         policy=WorkerPolicy.from_settings(settings),
         heartbeat_redis_url=settings.redis_url,
+        tracer=tracer,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.stop)
@@ -84,6 +90,7 @@ async def serve(settings: Settings) -> int:
     finally:
         loaded.engine.shutdown()
         await redis.aclose()
+        tracer.shutdown()
     return 1 if runtime.engine_dead or runtime.journal_failed else 0
 
 

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.dispatch.drain_rate import DrainMeter
 from gateway.dispatch.lost_admissions import Admitted, LostAdmissions
 from gateway.dispatch.plan import AnyPlan, Embedding, Generation
+from gateway.dispatch.queue_watch import QueueBoard
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_accounting import RequestAccounting
 from gateway.dispatch.request_handle import RequestHandle
@@ -108,6 +109,8 @@ class Dispatcher:
         self._on_usage = on_usage
         self.accounting = RequestAccounting(redis, names.gateway_of_reply_stream(router.stream))
         self.drain = DrainMeter(redis)
+        self.queue_board = QueueBoard(redis, self.drain)
+        """Where queued streams stand (their SSE position comments)."""
         self.lost = LostAdmissions(
             redis, router, self.accounting.gateway_id, self._readmit, self._in_background
         )
@@ -230,6 +233,7 @@ class Dispatcher:
                 images=work.images,
                 after_encode=after_encode,
                 adapter=plan.adapter,
+                traceparent=plan.traceparent,
             )
             for choice in work.choices
         ]
@@ -277,6 +281,7 @@ class Dispatcher:
                 deadline_unix=plan.deadline.deadline_unix,
                 created_unix=plan.deadline.created_unix,
                 dimensions=work.dimensions,
+                traceparent=plan.traceparent,
             )
             for index, prompt in enumerate(work.prompts)
         ]

@@ -89,6 +89,8 @@ class RequestPlan(Generic[W]):
     """The model whose workers (and Redis) serve it: ``model``, or the adapter's base."""
     cache_key: str | None = None
     """OpenAI's ``prompt_cache_key``: placement's affinity hint (requests sharing a prefix)."""
+    traceparent: str | None = None
+    """The request's trace context, carried by its jobs (None: not traced)."""
 
     @property
     def served_by(self) -> str:

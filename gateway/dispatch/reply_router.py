@@ -19,8 +19,9 @@ from redis.exceptions import RedisError
 
 from shared.connections.connect import MAX_BLOCK_MS, as_text
 from shared.connections.retry import Backoff
-from shared.errors import ConveyorError, ProtocolError
+from shared.errors import ConveyorError, ProtocolError, RequestCancelled
 from shared.protocol import (
+    CancelCommand,
     EmbeddingEvent,
     ErrorEvent,
     Event,
@@ -171,6 +172,9 @@ class ReplyRouter:
                 self._routes.pop(event.request_id, None)
                 queue._queue.clear()  # type: ignore[attr-defined]
                 queue.put_nowait(StreamInterrupted("the client read the stream too slowly"))
+        elif isinstance(event, CancelCommand):  # POST /v1/requests/{id}/cancel, any gateway
+            error = RequestCancelled("the request was cancelled (POST /v1/requests/{id}/cancel)")
+            self.interrupt([event.request_id], error.message, error)
 
     async def _trim(self) -> None:
         min_ms = int(self._last_id.split("-")[0]) - self._keep_history_ms

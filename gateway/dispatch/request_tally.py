@@ -51,6 +51,8 @@ class RequestTally:
     token_gaps_s: list[float] = field(default_factory=list)
     """Time between one choice's token events (vLLM's inter-token latencies)."""
     tokens_by_choice: dict[int, int] = field(default_factory=dict)
+    queue_times_s: list[float] = field(default_factory=list)
+    """Per sequence run on its first attempt: admission to a worker beginning it."""
     _last_token_unix: dict[int, float] = field(default_factory=dict)
 
     def note(self, event: Event) -> None:
@@ -63,6 +65,8 @@ class RequestTally:
             if event.cached_tokens is not None:
                 self.cached_tokens_by_prompt[prompt] = event.cached_tokens
             self.finish_reasons.append(event.finish_reason)
+            if event.started_unix is not None and event.attempt == 0:
+                self.queue_times_s.append(max(0.0, event.started_unix - self.received_unix))
         elif isinstance(event, EmbeddingEvent):
             self.prompt_tokens_by_prompt[event.index] = event.prompt_tokens
         elif isinstance(event, ErrorEvent):

@@ -84,6 +84,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.placement = PlacementMetrics(r)
+        self.migrations = Counter(
+            "conveyor_migrations",
+            "Takeovers of a request's sequences by another worker after a failure (per "
+            "request, its most-moved sequence), counted when the request ends.",
+            ["model"],
+            registry=r,
+        )
         self._scraped = _ScrapeGauges(r, self.engines)
 
     def observe_usage(self, record: UsageRecord, tally: RequestTally) -> None:
@@ -100,6 +107,8 @@ class GatewayMetrics:
         self.completion_tokens.labels(model).inc(record.completion_tokens)
         if record.cached_prompt_tokens:
             self.cached_tokens.labels(model).inc(record.cached_prompt_tokens)
+        if tally.migrations:
+            self.migrations.labels(model).inc(tally.migrations)
 
     async def refresh(self, state: GatewayState) -> None:
         await self._scraped.refresh(state)
@@ -120,6 +129,18 @@ class _ScrapeGauges:
             "conveyor_live_workers",
             "Live workers per model and role.",
             ["model", "role"],
+            registry=r,
+        )
+        self.workers_by_state = Gauge(
+            "conveyor_workers",
+            "Live workers per model, role and state (starting, ready, draining, paused).",
+            ["model", "role", "state"],
+            registry=r,
+        )
+        self.dead_letters = Gauge(
+            "conveyor_dead_letters",
+            "Jobs in a job stream's dead-letter stream (failed too often).",
+            ["stream"],
             registry=r,
         )
         self.open_requests = Gauge(
@@ -151,7 +172,9 @@ class _ScrapeGauges:
     async def refresh(self, state: GatewayState) -> None:
         self.open_requests.set(state.cells.open_requests())
         self.workers.clear()
+        self.workers_by_state.clear()
         self.queue_depth.clear()
+        self.dead_letters.clear()
         live = []
         for cell in state.cells.all():
             workers = cell.directory.all()
@@ -180,10 +203,29 @@ class _ScrapeGauges:
         """One Redis's live workers and the depth of their job streams."""
         for (model, role), count in Tally((w.model, w.role.value) for w in live).items():
             self.workers.labels(model, role).set(count)
+        states = Tally((w.model, w.role.value, worker_state(w)) for w in live)
+        for (model, role, state), count in states.items():
+            self.workers_by_state.labels(model, role, state).set(count)
         streams = sorted({names.job_stream(w.model, w.role) for w in live})
         queue = JobQueue(redis)
-        for stream in streams:  # the shared stream and the workers' own ones
+        dead: list[Any] = []
+        if streams:
+            async with redis.pipeline(transaction=False) as pipe:
+                for stream in streams:
+                    pipe.xlen(names.dead_letter_stream(stream))
+                dead = await pipe.execute()
+        for stream, dead_letters in zip(streams, dead, strict=True):
+            # the shared stream and the workers' own ones (placement)
             self.queue_depth.labels(stream).set(await queue.depth(stream))
+            self.dead_letters.labels(stream).set(int(dead_letters))
+
+
+def worker_state(worker: WorkerRegistration) -> str:
+    if not worker.ready:
+        return "starting"
+    if worker.paused:
+        return "paused"
+    return "draining" if worker.draining else "ready"
 
 
 class RequestMetrics:

@@ -4,7 +4,8 @@
 Two sources:
 
 - client-felt, measured here as requests are delivered (:class:`ClientMetrics`, label
-  ``model_name``): time to first token, inter-token latency, end-to-end latency,
+  ``model_name``): time to first token, inter-token latency, end-to-end latency, queue
+  time (admission to a worker beginning the job: its final event says when),
   prompt and generation tokens, finished sequences by reason. Each gateway counts its
   own requests, so a sum over gateways is the fleet's.
 - engine state, from the workers' heartbeats (:class:`EngineCollector`, labels
@@ -53,6 +54,7 @@ class ClientMetrics:
         self.ttft = _histogram(r, "time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS)
         self.itl = _histogram(r, "inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS)
         self.e2e = _histogram(r, "e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = _histogram(r, "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS)
         self.prompt_hist = _histogram(r, "request_prompt_tokens", tokens)
         self.generation_hist = _histogram(r, "request_generation_tokens", tokens)
         self.prompt_tokens = Counter(
@@ -68,6 +70,13 @@ class ClientMetrics:
             registry=r,
         )
 
+    def start_series(self, models: Iterable[str]) -> None:
+        """Each served model's token counters at 0 from the start (as vLLM's own), so the
+        first request's tokens are an increase ``rate()`` sees, not a new series."""
+        for model in models:
+            self.prompt_tokens.labels(model)
+            self.generation_tokens.labels(model)
+
     def observe(self, record: UsageRecord, tally: RequestTally) -> None:
         """One finished request (its usage record and what its handle counted)."""
         model = record.model
@@ -79,6 +88,9 @@ class ClientMetrics:
         for gap_s in tally.token_gaps_s:
             itl.observe(gap_s)
         self.e2e.labels(model).observe(max(0.0, record.finished_unix - record.received_unix))
+        queue_time = self.queue_time.labels(model)
+        for wait_s in tally.queue_times_s:
+            queue_time.observe(wait_s)
         self.prompt_hist.labels(model).observe(record.prompt_tokens)
         self.prompt_tokens.labels(model).inc(record.prompt_tokens)
         self.generation_tokens.labels(model).inc(record.completion_tokens)
@@ -97,6 +109,7 @@ _HELP = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
     "request_prompt_tokens": "Number of prefill tokens processed.",
     "request_generation_tokens": "Number of generation tokens processed.",
 }

@@ -15,6 +15,7 @@ from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
 from gateway.control import response_store
 from gateway.control.records import Principal, Scope
+from gateway.metrics.request_trace import request_trace
 from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
@@ -42,7 +43,7 @@ async def chat_completions(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
     return await endpoints.chat_completions(state, body, headers, request.receive)
 
 
@@ -56,7 +57,7 @@ async def completions(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
     return await endpoints.completions(state, body, headers, request.receive)
 
 
@@ -69,7 +70,7 @@ async def embeddings(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     request.state.model = body.model
-    headers = RequestHeaders(None, timeout_s, principal)
+    headers = RequestHeaders(None, timeout_s, principal, request_trace(request))
     return await endpoints.embeddings(state, body, headers, request.receive)
 
 
@@ -83,7 +84,7 @@ async def create_response(
     timeout_s: RequestTimeout = None,
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
     return await responses.create_response(state, body, headers, request.receive)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
+from gateway.metrics.request_trace import request_trace
 from gateway.openai.vllm_schemas import DetokenizeRequest, TokenizeRequest
 from gateway.routes.health import health
 from gateway.routes.openai import IdempotencyKey, Inference, RequestTimeout
@@ -88,7 +89,7 @@ async def invoke(
 ) -> Response:
     body = invocations.parse(await request.body())
     request.state.model = getattr(body, "model", None)  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal)
+    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
     return await invocations.invoke(state, body, headers, request.receive)
 
 

@@ -15,6 +15,7 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.openai.responses import ChoiceState, Json, ResponseWriter, Usage
 from shared.errors import ConveyorError, RemoteError
@@ -67,10 +68,12 @@ async def stream_events(
     include_usage: bool,
     keepalive_s: float,
     prompt_tokens: dict[int, int] | None = None,
+    queue: QueueWatch | None = None,
 ) -> AsyncIterator[str]:
     """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments.
     ``prompt_tokens`` (each choice's prompt length) asks for vLLM's continuous usage:
-    every chunk carries its choice's usage so far."""
+    every chunk carries its choice's usage so far. With ``queue``, a request still
+    waiting for a worker gets ``: queued position=N eta_s=S`` comments as it moves up."""
     usage = Usage(choices_per_prompt)
     single = len(indices) == 1
     generated = dict.fromkeys(indices, 0)
@@ -94,10 +97,17 @@ async def stream_events(
             start = fmt.start_chunk(index)
             if start is not None:
                 pending.append(sse_data(with_usage(start, index)))
-        async for event in handle.events(idle_timeout_s=keepalive_s):
+        idle_s = keepalive_s if queue is None else min(keepalive_s, queue.poll_s)
+        quiet_s = 0.0
+        async for event in handle.events(idle_timeout_s=idle_s):
             if event is None:
-                yield KEEPALIVE
+                quiet_s += idle_s
+                line = await queue.comment() if queue is not None and not handle.started else None
+                if line is not None or quiet_s >= keepalive_s:
+                    yield line or KEEPALIVE
+                    quiet_s = 0.0
                 continue
+            quiet_s = 0.0
             event_id = str(event.seq) if single else f"{event.index}-{event.seq}"
             if isinstance(event, TokenEvent):
                 generated[event.index] += len(event.token_ids)

@@ -40,9 +40,11 @@ from fastapi.responses import JSONResponse
 
 from gateway.catalog.served_models import ModelKind, ServedModel
 from gateway.control.records import ANONYMOUS, Principal
-from gateway.dispatch.plan import Deadline, Embedding, Generation, RequestPlan, W
+from gateway.dispatch.plan import AnyPlan, Deadline, Embedding, Generation, RequestPlan, W
+from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
+from gateway.metrics.request_trace import RequestTrace
 from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import OutputParser
 from gateway.openai.responses import ChatWriter, CompletionWriter, Json, ResponseWriter
@@ -79,6 +81,8 @@ class RequestHeaders:
     timeout_s: float | None
     principal: Principal = ANONYMOUS
     """Who the request acts as (its API key; ANONYMOUS while auth is off)."""
+    trace: RequestTrace | None = None
+    """The request's trace (None: tracing is off)."""
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -99,7 +103,7 @@ async def chat_completions(
         echo=body.echoed(),
         role=answer_role(body),
     )
-    return await _generate(state, plan, body, fmt, receive)
+    return await _generate(state, plan, body, headers, fmt, receive)
 
 
 async def completions(
@@ -116,14 +120,14 @@ async def completions(
         top_logprobs=body.logprobs,
         echo=echo,
     )
-    return await _generate(state, plan, body, fmt, receive)
+    return await _generate(state, plan, body, headers, fmt, receive)
 
 
 async def embeddings(
     state: GatewayState, body: EmbeddingRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan = await plan_embeddings(state, body, headers)
-    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    handle = await submit(state, plan, headers)
     async with handle:
         result = await unless_disconnected(collect_embeddings(handle, body, plan.model), receive)
     return _json_answer(result, handle)
@@ -161,7 +165,7 @@ async def plan_chat(
         work,
         deadline,
         idempotency_key,
-        headers.principal,
+        headers,
         cache_key=body.prompt_cache_key,
     )
     return plan, tool_plan.parser
@@ -183,7 +187,7 @@ async def plan_completion(
         work,
         deadline,
         idempotency_key,
-        headers.principal,
+        headers,
         cache_key=body.prompt_cache_key,
     )
     echo = None
@@ -200,7 +204,7 @@ async def plan_embeddings(
     limits.check_jobs(len(embedding_inputs(body)), state.settings, "input")
     prompts = await asyncio.to_thread(input_token_ids, body, model)
     work = Embedding(tuple(prompts), body.dimensions)
-    return _plan("embd", model, work, deadline, idempotency_key, headers.principal)
+    return _plan("embd", model, work, deadline, idempotency_key, headers)
 
 
 async def _admit(
@@ -236,12 +240,13 @@ def _plan(
     work: W,
     deadline: Deadline,
     idempotency_key: str | None,
-    principal: Principal,
+    headers: RequestHeaders,
     *,
     cache_key: str | None = None,
 ) -> RequestPlan[W]:
     """The request's plan, with what it costs against its key's limits (if any)."""
     request_id = _new_id(prefix)
+    principal = headers.principal
     plan = RequestPlan(
         request_id,
         model.name,
@@ -252,6 +257,7 @@ def _plan(
         adapter=model.adapter,
         base_model=model.base,
         cache_key=cache_key,
+        traceparent=headers.trace.traceparent if headers.trace is not None else None,
     )
     if principal.key_id is None or not principal.limits.any():
         return plan
@@ -264,15 +270,27 @@ def _plan(
 # ----------------------------------------------------------------------- delivery
 
 
+async def submit(state: GatewayState, plan: AnyPlan, headers: RequestHeaders) -> RequestHandle:
+    """Queue the plan's jobs (the dispatcher of its model's Redis); the request's trace
+    notes how long that took."""
+    started = time.time()
+    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    if headers.trace is not None:
+        headers.trace.admitted(started, handle.tally)
+    return handle
+
+
 async def _generate(
     state: GatewayState,
     plan: RequestPlan[Generation],
     body: SamplingFields,
+    headers: RequestHeaders,
     fmt: ResponseWriter,
     receive: Receive,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
-    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    cell = state.cells.for_model(plan.served_by)
+    handle = await submit(state, plan, headers)
     if body.stream:
         if _worker_checks_grammar(plan) and not await _checked_before_streaming(handle, receive):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -284,6 +302,7 @@ async def _generate(
             include_usage=body.include_usage(),
             keepalive_s=state.settings.sse_keepalive_s,
             prompt_tokens=_prompt_tokens(plan) if body.continuous_usage() else None,
+            queue=QueueWatch(cell.dispatcher.queue_board, plan.request_id),
         )
         return EventStreamResponse(events, handle)  # the response owns the handle now
     async with handle:

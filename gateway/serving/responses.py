@@ -33,7 +33,13 @@ from gateway.openai.responses_events import ResponseEvents
 from gateway.openai.responses_schema import InputItem, ResponsesRequest
 from gateway.serving import responses_input
 from gateway.serving.delivery import KEEPALIVE, EventStreamResponse, unless_disconnected
-from gateway.serving.endpoints import CLIENT_CLOSED_REQUEST, Receive, RequestHeaders, plan_chat
+from gateway.serving.endpoints import (
+    CLIENT_CLOSED_REQUEST,
+    Receive,
+    RequestHeaders,
+    plan_chat,
+    submit,
+)
 from gateway.state import GatewayState
 from shared.errors import ConveyorError, InvalidRequest, RemoteError, ResponseNotFound
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
@@ -59,7 +65,7 @@ async def create_response(
         raise InvalidRequest(_first_error(exc), param="input") from exc
     plan, parser = await plan_chat(state, chat, headers)
     draft = ResponseDraft(new_id("resp"), plan.model, echoed_fields(body))
-    handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
+    handle = await submit(state, plan, headers)
     parser = parser or OutputParser()
     if body.stream:
         events = _stream(

@@ -32,6 +32,7 @@ from shared.queue.key_limits import (
     usage_from_reply,
 )
 from shared.queue.open_requests import OPEN_TTL_S, OpenRequest, encode_open
+from shared.queue.request_status import status_ttl_s
 from shared.roles import Role
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ _ADMIT = (
 -- jobs are placed on ('' = none), its liveness key, the pool's steal tickets, then the
 -- limit arguments (when limited), then one payload per job, then the JSON schema ('' =
 -- none: stored once for all the jobs) and its ttl, then the open record
--- (shared.queue.open_requests; optional), then its hash's ttl.
+-- (shared.queue.open_requests; optional), then its hash's ttl, then (with the open record)
+-- the gateway's id and the status record's ttl (shared.queue.request_status; its key is
+-- the last of KEYS, after the schema key).
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
@@ -88,19 +91,25 @@ if worker ~= '' and redis.call('EXISTS', beat) == 1 then
 else
   worker = ''
 end
+local first_entry = ''
 for i = first_job, first_job + count - 1 do
-  redis.call('XADD', target, '*', 'v', version, 'm', ARGV[i])
+  local entry = redis.call('XADD', target, '*', 'v', version, 'm', ARGV[i])
+  if first_entry == '' then first_entry = entry end
 end
 if limited then used = limits_charge(4, 12, used) end
 if idem ~= '' then redis.call('SET', idem, request_id, 'EX', idem_ttl) end
 local schema = ARGV[first_job + count]
 if schema ~= '' then
-  redis.call('SET', KEYS[#KEYS], schema, 'EX', tonumber(ARGV[first_job + count + 1]))
+  redis.call('SET', KEYS[#KEYS - 1], schema, 'EX', tonumber(ARGV[first_job + count + 1]))
 end
 local opened = ARGV[first_job + count + 2]
 if opened then
-  redis.call('HSET', KEYS[#KEYS - 1], request_id, opened)
-  redis.call('EXPIRE', KEYS[#KEYS - 1], tonumber(ARGV[first_job + count + 3]))
+  redis.call('HSET', KEYS[#KEYS - 2], request_id, opened)
+  redis.call('EXPIRE', KEYS[#KEYS - 2], tonumber(ARGV[first_job + count + 3]))
+  local status = KEYS[#KEYS]
+  redis.call('HSET', status, 'o', opened, 'g', ARGV[first_job + count + 4], 's', target,
+             'e', first_entry)
+  redis.call('EXPIRE', status, tonumber(ARGV[first_job + count + 5]))
 end
 redis.call('SET', admitted, '1', 'EX', 600)
 return {'queued', tostring(depth + count), used, worker}
@@ -273,13 +282,19 @@ class JobQueue:
         schema_args: list[str | int] = [schema, _schema_ttl_s(jobs[0])]
         admitted = names.admitted(jobs[0].request_id)
         open_keys: list[str] = []
-        open_args: list[bytes | int] = []
+        open_args: list[bytes | int | str] = []
         if opened is not None:
             open_keys = [names.open_requests(opened.gateway_id)]
-            open_args = [encode_open(opened.record), OPEN_TTL_S]
+            open_args = [
+                encode_open(opened.record),
+                OPEN_TTL_S,
+                opened.gateway_id,
+                status_ttl_s(jobs[0].deadline_unix),
+            ]
         schema_key = names.json_schema(jobs[0].request_id)
+        status_key = names.request_status(jobs[0].request_id)
         outcome, detail, counts, worker = await self._admit(
-            keys=[stream, idem, admitted, *limit_keys, *open_keys, schema_key],
+            keys=[stream, idem, admitted, *limit_keys, *open_keys, schema_key, status_key],
             args=[*header, *limit_args, *payloads, *schema_args, *open_args],
         )
         usage = usage_from_reply(charge, counts) if charge is not None else None

@@ -94,6 +94,12 @@ def admitted(request_id: str) -> str:
     return f"{PREFIX}:admitted:{request_id}"
 
 
+def request_status(request_id: str) -> str:
+    """A request's status record (shared/queue/request_status.py): written at admission
+    and when it ends, read by any gateway for ``GET /v1/requests/{id}``."""
+    return f"{PREFIX}:request:{request_id}"
+
+
 def idempotency(model: str, key: str, owner: str | None = None) -> str:
     """An ``Idempotency-Key`` of one API key (``owner``; None: auth is off): each API key
     has its own namespace, so no key meets (or learns the request ids of) another's."""

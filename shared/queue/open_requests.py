@@ -37,6 +37,8 @@ OPEN_TTL_S: Final = 86_400
 SENT_COMPLETION: Final = b"c"
 SENT_FIRST_TOKEN_MS: Final = b"t"
 SENT_FINISH_PREFIX: Final = "f:"
+STATUS_FINISHED_TTL_S: Final = 600
+"""How long a finished request's status record (shared/queue/request_status.py) stays."""
 
 
 class OpenRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -156,6 +158,14 @@ return 1
 """
 
 
+def finish_note_of(record: UsageRecord) -> str:
+    """A finished request's outcome in its status record: ``status|reason|finished|first
+    token|migrations``."""
+    first = "" if record.first_token_unix is None else f"{record.first_token_unix:.3f}"
+    parts = [record.status, record.finish_reason or "", f"{record.finished_unix:.3f}"]
+    return "|".join([*parts, first, str(record.migrations)])
+
+
 class OpenRequests:
     """Closing open requests: normally (their gateway) or as orphans (a sweep)."""
 
@@ -174,6 +184,10 @@ class OpenRequests:
                 pipe.xadd(names.USAGE_STREAM, encode_usage(record))  # type: ignore[arg-type]
             pipe.hdel(names.open_requests(gateway_id), *(record.request_id for record in records))
             pipe.delete(*(names.sent_tally(record.request_id) for record in records))
+            for record in records:
+                status = names.request_status(record.request_id)
+                pipe.hset(status, "f", finish_note_of(record))
+                pipe.expire(status, STATUS_FINISHED_TTL_S)
             await pipe.execute()
 
     async def close_orphan(self, gateway_id: str, record: UsageRecord) -> bool:

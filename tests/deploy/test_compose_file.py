@@ -305,3 +305,53 @@ def test_docker_compose_stops_with_a_clear_error_without_a_required_variable(
     result = _compose_config({k: v for k, v in REQUIRED.items() if k != missing})
     assert result.returncode != 0
     assert f"set {missing} in .env" in result.stderr
+
+
+DEPLOY = ROOT / "deploy"
+
+
+def _mounts(spec: dict[str, Any]) -> dict[str, str]:
+    """Container path -> host path of a service's bind mounts."""
+    binds = [v.split(":") for v in spec.get("volumes", []) if v.startswith("./")]
+    return {parts[1]: parts[0] for parts in binds}
+
+
+def test_the_observability_profile_scrapes_every_gateway_with_a_metrics_key() -> None:
+    prometheus = services()["prometheus"]
+    assert prometheus["profiles"] == ["observability"]
+    script = prometheus["entrypoint"][-1]
+    config_path = re.findall(r"--config\.file=(\S+)", script)[0]
+    assert (ROOT / _mounts(prometheus)[config_path]).is_file()
+    config = yaml.safe_load((ROOT / _mounts(prometheus)[config_path]).read_text())
+    [job] = config["scrape_configs"]
+    gateway = services()["gateway"]
+    assert job["metrics_path"] == "/metrics"
+    [targets] = job["dns_sd_configs"]
+    assert targets["names"] == ["gateway"]  # every replica of the service
+    assert str(targets["port"]) == gateway["environment"]["CONVEYOR_PORT"]
+    key_file = job["authorization"]["credentials_file"]
+    assert f"> {key_file}" in script and '"$$METRICS_KEY"' in script
+    env = service_environment(prometheus, REQUIRED)
+    assert env["METRICS_KEY"] == REQUIRED["CONVEYOR_ADMIN_KEY"]  # unless METRICS_KEY is set
+    assert prometheus["ports"] == ["${PROMETHEUS_PUBLISH:-127.0.0.1:9090}:9090"]
+
+
+def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard() -> None:
+    grafana = services()["grafana"]
+    assert grafana["profiles"] == ["observability"]
+    mounts = _mounts(grafana)
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())[
+        "datasources"
+    ]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "conveyor.yaml").read_text())[
+        "providers"
+    ]
+    dashboards = ROOT / mounts[provider["options"]["path"]]
+    assert (dashboards / "conveyor.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/conveyor.json"
+    env = service_environment(grafana, REQUIRED)
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == REQUIRED["CONVEYOR_ADMIN_KEY"]  # no default
+    assert grafana["ports"] == ["${GRAFANA_PUBLISH:-127.0.0.1:3000}:3000"]

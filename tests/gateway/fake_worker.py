@@ -87,19 +87,29 @@ class FakeWorker:
         self.jobs: list[Job] = []
         self.task: asyncio.Task[None] | None = None
         self._answers: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     async def start(self) -> None:
         await self._queue.ensure_group(self._stream.name)
         self.task = asyncio.create_task(self._run(), name=f"fake-worker-{self._stream.name}")
 
+    async def stop(self) -> None:
+        """Stop reading: no job queued after this returns is taken.
+
+        Not a cancel: fakeredis runs a blocking XREADGROUP in a task of its own that
+        outlives its cancelled caller, and would still deliver a job added within the
+        block window to this consumer, which never answers it.
+        """
+        self._stopping = True
+        if self.task is not None:
+            await self.task
+
     async def _run(self) -> None:
         try:
-            while True:
+            while not self._stopping:
                 deliveries = await self._queue.read(
                     [self._stream], "fake-worker", count=64, block_ms=20
                 )
-                if not deliveries:
-                    await asyncio.sleep(0.005)  # fakeredis does not block: do not spin
                 for delivery in deliveries:
                     self.jobs.append(delivery.job)
                     await self._queue.ack(delivery.stream, delivery.entry_id)

@@ -3,11 +3,16 @@ tokens, queue depth and live workers (the real app in process, fake workers)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.engine_stats import EngineStats
+from shared.protocol import Event, FinishEvent, Job
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
+from tests.gateway.fake_worker import echo
 from tests.gateway.harness import BODIES, CHAT, EMBEDDINGS, LiveGateway, error_of
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -89,6 +94,30 @@ async def test_vllm_client_metrics_of_a_streamed_request(gateway: LiveGateway) -
     assert ("vllm:time_to_first_token_seconds_bucket", frozenset(ttft_le.items())) in samples
 
 
+async def test_queue_time_is_admission_to_the_workers_start(gateway: LiveGateway) -> None:
+    """The worker's finish event says when it began the job; the gateway observes
+    vllm:request_queue_time_seconds from its own admission time to that."""
+
+    async def began_late(job: Job) -> AsyncIterator[Sequence[Event]]:
+        async for batch in echo(job):
+            yield [
+                msgspec.structs.replace(e, started_unix=job.created_unix + 0.4)
+                if isinstance(e, FinishEvent)
+                else e
+                for e in batch
+            ]
+
+    gateway.workers[0].script = began_late
+    response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "max_tokens": 2, "n": 2})
+    assert response.status_code == 200
+    samples = await scrape(gateway)
+    model = {"model_name": "tiny"}
+    assert value(samples, "vllm:request_queue_time_seconds_count", **model) == 2
+    assert abs(value(samples, "vllm:request_queue_time_seconds_sum", **model) - 0.8) < 1e-6
+    assert value(samples, "vllm:request_queue_time_seconds_bucket", **model, le="0.3") == 0
+    assert value(samples, "vllm:request_queue_time_seconds_bucket", **model, le="0.5") == 2
+
+
 async def test_vllm_engine_metrics_come_from_the_heartbeats(gateway: LiveGateway) -> None:
     cell = gateway.state.cells.for_model("tiny")
     registry = WorkerRegistry(cell.redis, ttl_s=60)
@@ -122,3 +151,41 @@ async def test_vllm_engine_metrics_come_from_the_heartbeats(gateway: LiveGateway
     # Workers whose engine reports nothing (the harness's) have no engine series.
     running = [key for key in samples if key[0] == "vllm:num_requests_running"]
     assert [dict(labels)["worker"] for _, labels in running] == ["w-stats"]
+
+
+async def test_workers_by_state_dead_letters_and_migrations(gateway: LiveGateway) -> None:
+    """Live workers by state (the registry entry's flags), each stream's dead letters,
+    and migrated sequence runs (events of a later attempt) when the request ends."""
+    cell = gateway.state.cells.for_model("tiny")
+    registry = WorkerRegistry(cell.redis, ttl_s=60)
+    for worker_id, flags in (("w-new", {"ready": False}), ("w-drain", {"draining": True})):
+        await registry.beat(
+            WorkerRegistration(
+                worker_id=worker_id,
+                role=Role.AGGREGATED,
+                model="tiny",
+                max_model_len=2048,
+                active=0,
+                slots=8,
+                **flags,
+            )
+        )
+    await cell.directory.refresh()
+    await cell.redis.xadd("conveyor:jobs:tiny:aggregated:dead", {"reason": "poison"})
+
+    async def migrated(job: Job) -> AsyncIterator[Sequence[Event]]:
+        async for batch in echo(job):
+            yield [msgspec.structs.replace(e, attempt=1) for e in batch]
+
+    gateway.workers[0].script = migrated
+    response = await gateway.client.post(CHAT, json={**BODIES[CHAT], "max_tokens": 2, "n": 2})
+    assert response.status_code == 200
+    await gateway.state.cells.wait_background()
+    samples = await scrape(gateway)
+    tiny = {"model": "tiny", "role": "aggregated"}
+    assert value(samples, "conveyor_workers", **tiny, state="ready") == 1  # the harness's
+    assert value(samples, "conveyor_workers", **tiny, state="starting") == 1
+    assert value(samples, "conveyor_workers", **tiny, state="draining") == 1
+    stream = "conveyor:jobs:tiny:aggregated"
+    assert value(samples, "conveyor_dead_letters", stream=stream) == 1
+    assert value(samples, "conveyor_migrations_total", model="tiny") == 1

@@ -81,6 +81,7 @@ generate_jobs = st.builds(
         max_size=4,
     ),
     adapter=st.none() | text,
+    started_unix=st.none() | floats,
 )
 
 top_logprobs = st.builds(TopLogprob, token_id=small, token=text, logprob=floats)
@@ -111,6 +112,8 @@ finish_events = st.builds(
     finish_reason=st.sampled_from(["stop", "length", "abort"]) | text,
     prompt_tokens=small,
     completion_tokens=small,
+    cached_tokens=st.none() | small,
+    started_unix=st.none() | floats,
 )
 error_events = st.builds(
     ErrorEvent,
@@ -257,6 +260,29 @@ def test_finish_events_and_readers_from_before_cached_tokens_still_agree() -> No
         protocol.encode_payload(cached), type=FinishEventBeforeCachedTokens
     )
     assert (legacy.prompt_tokens, legacy.completion_tokens) == (300, 1)
+
+
+def test_started_unix_trails_finish_events_and_jobs_compatibly() -> None:
+    """started_unix is the last field of both: older arrays decode with None, and a
+    reader from before it (cached_tokens the last it knows) ignores it."""
+    started = FinishEvent("r", 0, 1, 0, "stop", 3, 1, None, 12.5)
+    assert protocol.decode_bytes(protocol.encode_bytes(started)) == started
+    legacy = msgspec.msgpack.decode(
+        protocol.encode_payload(started), type=FinishEventBeforeCachedTokens
+    )
+    assert legacy.completion_tokens == 1
+    old = msgspec.msgpack.encode(["fin", "r", 0, 1, 0, "stop", 3, 1, 2])
+    assert protocol.decode_bytes(protocol.VERSION + b":" + old) == FinishEvent(
+        "r", 0, 1, 0, "stop", 3, 1, 2
+    )
+    job = GenerateJob(
+        request_id="r", index=0, model="m", prompt_token_ids=[1], reply_to="g",
+        sampling=SamplingOptions(max_tokens=1), deadline_unix=2.0, created_unix=1.0,
+    )  # fmt: skip
+    stamped = protocol.started_now(job, 5.0)
+    assert stamped.started_unix == 5.0
+    assert protocol.started_now(stamped, 9.0).started_unix == 5.0
+    assert protocol.decode_bytes(protocol.encode_bytes(stamped)) == stamped
 
 
 @given(message=messages, version=st.integers(0, 10_000).filter(lambda v: v != PROTOCOL_VERSION))

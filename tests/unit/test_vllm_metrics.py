@@ -37,6 +37,7 @@ CLIENT = {
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
 }
@@ -44,6 +45,7 @@ BUCKETS = {
     "vllm:time_to_first_token_seconds": buckets.TIME_TO_FIRST_TOKEN_BUCKETS,
     "vllm:inter_token_latency_seconds": buckets.INTER_TOKEN_LATENCY_BUCKETS,
     "vllm:e2e_request_latency_seconds": buckets.REQUEST_LATENCY_BUCKETS,
+    "vllm:request_queue_time_seconds": buckets.REQUEST_LATENCY_BUCKETS,
     "vllm:iteration_tokens_total": buckets.ITERATION_TOKENS_BUCKETS,
     "vllm:request_prompt_tokens": buckets.build_1_2_5_buckets(4096),
     "vllm:request_generation_tokens": buckets.build_1_2_5_buckets(4096),
@@ -137,3 +139,24 @@ def test_collector_exports_each_workers_snapshot() -> None:
     assert value("vllm:iteration_tokens_total_count", labels) == 0
     collector.set_workers([])  # the worker left: its series go
     assert value("vllm:num_requests_running", labels) is None
+
+
+def test_queue_time_is_admission_to_the_first_stage_start_of_first_runs() -> None:
+    """Each sequence's finish event says when a worker began it; a sequence taken over
+    after a failure (attempt > 0) reports its last run's start, which is not queue time."""
+    from shared.protocol import FinishEvent
+
+    registry = CollectorRegistry()
+    tally = RequestTally(received_unix=100.0)
+    tally.note(FinishEvent("r", 0, 1, 0, "stop", 5, 1, None, 100.75))
+    tally.note(FinishEvent("r", 1, 1, 2, "stop", 5, 1, None, 130.0))
+    tally.note(FinishEvent("r", 2, 1, 0, "stop", 5, 1))  # an older worker: no start time
+    assert tally.queue_times_s == [0.75]
+    record = UsageRecord(
+        request_id="r", key_id=None, model="m", prompt_tokens=5, completion_tokens=3,
+        status="completed", received_unix=100.0, finished_unix=101.0,
+    )  # fmt: skip
+    ClientMetrics(registry, max_model_len=4096).observe(record, tally)
+    labels = {"model_name": "m"}
+    assert registry.get_sample_value("vllm:request_queue_time_seconds_count", labels) == 1
+    assert registry.get_sample_value("vllm:request_queue_time_seconds_sum", labels) == 0.75

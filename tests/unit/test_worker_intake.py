@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from shared.protocol import ErrorEvent, FinishEvent, GenerateJob, TokenEvent, decode
 from shared.queue import names
 from tests.conftest import RedisTarget
+from tests.unit.finish_events import unstamped
 from tests.unit.worker_harness import (
     FAST_JANITOR,
     STAGE,
@@ -100,7 +101,7 @@ async def test_reclaimed_job_resumes_after_the_tokens_already_sent(
     assert events[:2] == before
     assert [e.seq for e in events] == list(range(7))
     assert [e.attempt for e in events] == [0, 0, 1, 1, 1, 1, 1]
-    assert events[-1] == FinishEvent("r1", 0, 6, 1, "stop", 3, 7)
+    assert unstamped(events[-1]) == FinishEvent("r1", 0, 6, 1, "stop", 3, 7)
 
 
 async def test_resumed_job_with_no_room_left_finishes_with_length(
@@ -117,7 +118,7 @@ async def test_resumed_job_with_no_room_left_finishes_with_length(
         await w.drained()
     assert engine.requests == []
     # Handed back, not crashed: the run that finishes it keeps attempt 0.
-    assert events[-1] == FinishEvent("full", 0, 2, 0, "length", 3, 2)
+    assert unstamped(events[-1]) == FinishEvent("full", 0, 2, 0, "length", 3, 2)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,7 @@ async def test_deterministic_guided_job_is_replayed_not_appended(
     tokens = [e.token_ids for e in events if isinstance(e, TokenEvent)]
     assert tokens == [[100], [101], [102], [103]]
     assert [e.seq for e in events] == list(range(5))
-    assert events[-1] == FinishEvent("forced", 0, 4, 1, "stop", 3, 4)
+    assert unstamped(events[-1]) == FinishEvent("forced", 0, 4, 1, "stop", 3, 4)
 
 
 @pytest.mark.parametrize(
@@ -254,7 +255,7 @@ async def test_job_that_failed_fewer_times_still_runs(redis_target: RedisTarget)
         events = await w.final_events("retry")
         await w.drained()
         assert await w.redis.xlen(names.dead_letter_stream(STREAM)) == 0
-    assert events[-1] == FinishEvent("retry", 0, 2, 1, "stop", 3, 2)
+    assert unstamped(events[-1]) == FinishEvent("retry", 0, 2, 1, "stop", 3, 2)
     # Nothing was emitted before: a restart from scratch, not a migration.
     assert engine.requests[0][1] == [1, 2, 3]
 

@@ -23,6 +23,7 @@ from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 from shared.queue import names
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
+from tests.unit.finish_events import unstamped
 from tests.unit.worker_harness import (
     STAGE,
     STREAM,
@@ -47,7 +48,7 @@ async def test_job_streams_tokens_then_finish_and_is_acked(redis_target: RedisTa
         assert [e.seq for e in events] == [0, 1, 2, 3, 4]
         assert [e.token_ids for e in tokens] == [[100], [101], [102], [103]]  # type: ignore[union-attr]
         assert "".join(e.text for e in tokens) == "<0><1><2><3>"  # type: ignore[union-attr]
-        assert finish == FinishEvent("r1", 0, 4, 0, "stop", 3, 4)
+        assert unstamped(finish) == FinishEvent("r1", 0, 4, 0, "stop", 3, 4)
         await w.drained()
         assert w.engine.running() == 0
         assert w.engine.started == ["r1/0"]
@@ -205,7 +206,9 @@ async def test_stop_without_grace_hands_running_jobs_back(redis_target: RedisTar
         assert prompt == [1, 2, 3, *journaled]
         assert sampling.max_tokens == 1000 - len(journaled)
         # The successor's run keeps the attempt number of the run that handed it back.
-        assert events[-1] == FinishEvent("moving", 0, len(sent) + 3, 0, "stop", 3, len(sent) + 3)
+        assert unstamped(events[-1]) == FinishEvent(
+            "moving", 0, len(sent) + 3, 0, "stop", 3, len(sent) + 3
+        )
         assert {e.attempt for e in events} == {0}
 
 
@@ -338,7 +341,7 @@ async def test_a_journal_that_gave_up_stops_the_worker_and_its_jobs_are_reclaime
             await w2.drained()
     assert [e.seq for e in events] == [0, 1, 2, 3]
     # The lost run counts as a failed one; nothing was journaled, so it restarts.
-    assert events[-1] == FinishEvent("stranded", 0, 3, 1, "stop", 3, 3)
+    assert unstamped(events[-1]) == FinishEvent("stranded", 0, 3, 1, "stop", 3, 3)
     assert successor.requests[0][1] == [1, 2, 3]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from shared.queue.worker_streams import Requeue, WorkerStreams
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
 from workers.intake.checks import Intake, Verdict
 from workers.intake.recent_cancels import RecentCancels
+from workers.intake.run_trace import RunEnd, RunTimes, RunTracer
 from workers.intake.stealing import Stealer
 from workers.journal.run_journal import RunJournal, RunLease
 from workers.roles.base import JobRun, NewRun
@@ -140,6 +142,7 @@ class JobConsumer:
         new_run: NewRun,
         recent_cancels: RecentCancels,
         on_start: Callable[[], None],
+        runs_traced: RunTracer | None = None,
     ) -> None:
         self._reader = reader
         self._journal = journal
@@ -149,6 +152,7 @@ class JobConsumer:
         self._new_run = new_run
         self._recent_cancels = recent_cancels
         self._on_start = on_start
+        self._runs_traced = runs_traced
         self._reading = asyncio.Lock()
         """Held from a read until its jobs are started (see :meth:`quiesce`)."""
 
@@ -278,19 +282,31 @@ class JobConsumer:
 
     async def _run_job(self, run: JobRun) -> None:
         job_id = run.lease.job_id
+        started = time.time()
+        end = RunEnd.DONE
         try:
             if not self._jobs.entering_engine(job_id):
                 self._jobs.orphaned.append(run.lease)  # handed back on the way out
+                end = RunEnd.HANDED_BACK
                 return
             await run.run()
         except asyncio.CancelledError:
-            if not self._jobs.fenced(job_id) and not self._jobs.handing_back:
+            end = RunEnd.CANCELLED
+            if self._jobs.fenced(job_id):
+                end = RunEnd.FENCED
+            elif self._jobs.handing_back:
+                end = RunEnd.HANDED_BACK
+            else:
                 self._journal.finish(run.lease)  # the client left: the job is done
         except EngineDead:
+            end = RunEnd.ENGINE_DEAD
             self._jobs.orphaned.append(run.lease)
             self._lifecycle.engine_died()
         except Exception:
+            end = RunEnd.CRASHED
             log.exception("job %s crashed", job_id)
             run.fail(EngineError("the worker hit an internal error running this request"))
         finally:
             self._jobs.done(job_id)
+            if self._runs_traced is not None:
+                self._runs_traced.finished(run.lease, RunTimes(started, time.time(), end))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class RunLease:
     next_seq: int
     emitted: list[int]
     """Tokens published by earlier runs of this job."""
+    first_seq_unix: float | None = None
+    """When this run numbered its first event (its first engine output, for tracing)."""
 
     @property
     def job_id(self) -> str:
@@ -87,6 +90,8 @@ class RunLease:
         return names.job_emitted(self.job_id, self.delivery.role)
 
     def take_seq(self) -> int:
+        if self.first_seq_unix is None:
+            self.first_seq_unix = time.time()
         seq = self.next_seq
         self.next_seq += 1
         return seq

@@ -41,7 +41,8 @@ BEGIN = f"""
 local run, emitted = KEYS[1], KEYS[2]
 {lua_locals(BeginArgs._fields)}
 local starts = redis.call('HINCRBY', run, 'starts', 1)
-redis.call('HSET', run, 'owner', fence)
+local now = redis.call('TIME')
+redis.call('HSET', run, 'owner', fence, 'began_ms', now[1] * 1000 + math.floor(now[2] / 1000))
 redis.call('PEXPIRE', run, ttl_ms)
 if redis.call('EXISTS', emitted) == 0 then
   redis.call('SET', emitted, '', 'PX', ttl_ms)

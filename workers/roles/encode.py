@@ -15,7 +15,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError, EngineDead
-from shared.protocol import GenerateJob
+from shared.protocol import GenerateJob, started_now
 from shared.queue import names
 from shared.roles import Role
 from shared.settings import Settings
@@ -44,6 +44,7 @@ class EncodeRun:
     async def run(self) -> None:
         job = self.job
         started = time.monotonic()
+        begun_unix = time.time()
         ttl_s = max(1, int(job.deadline_unix - time.time())) + EMBEDDING_MARGIN_S
         try:
             for ref in dict.fromkeys(job.images):  # an image sent twice is encoded once
@@ -54,7 +55,9 @@ class EncodeRun:
             log.warning("encoding the images of %s failed: %s", job.job_id, exc)
             self.fail(exc)
             return
-        forwarded = msgspec.structs.replace(job, images_encoded=True, after_encode=None)
+        forwarded = started_now(
+            msgspec.structs.replace(job, images_encoded=True, after_encode=None), begun_unix
+        )
         if await self._journal.forward(self.lease, self.next_stream(), forwarded, ack=True):
             log.info(
                 "job %s: %d image(s) encoded in %.3fs, handed to %s",

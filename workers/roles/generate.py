@@ -162,6 +162,7 @@ class SequenceRun:
     async def run(self) -> None:
         job = self.job
         started = time.monotonic()
+        begun_unix = time.time()
         try:
             async with asyncio.timeout(max(0.0, job.deadline_unix - time.time())):
                 finish_reason, prompt_tokens, cached_tokens = await self._generate()
@@ -189,6 +190,7 @@ class SequenceRun:
                 prompt_tokens,
                 self._completion_tokens,
                 cached_tokens,
+                job.started_unix if job.started_unix is not None else begun_unix,
             ),
         )
         log.info(

@@ -17,7 +17,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from shared.errors import ConveyorError, EngineDead
-from shared.protocol import GenerateJob
+from shared.protocol import GenerateJob, started_now
 from shared.queue import names
 from shared.roles import Role
 from shared.settings import Settings
@@ -52,6 +52,7 @@ class PrefillRun:
     async def run(self) -> None:
         job = self.job
         started = time.monotonic()
+        job = started_now(job, time.time())
         handoff = self._engine.plan_handoff(job.job_id)
         if handoff is not None:
             forwarded = msgspec.structs.replace(job, handoff=handoff)
