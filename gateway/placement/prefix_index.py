@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.block_hashes import EngineBlockMap, chain_seed, prompt_blocks
+from shared.block_hashes import EngineBlockMap, blocks_of, chain_seed, prompt_blocks
 from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot
 
 log = logging.getLogger(__name__)
@@ -92,13 +92,14 @@ class PrefixIndex:
         if not held:
             return {}
         holders = self._holders.get
-        name_of = hash  # shared.block_hashes.block_names, inlined: this loop is the cost
         name = chain_seed(model, lora)
         matched: dict[str, int] = {}
         depth = 0
         tokens = tuple(token_ids)
-        for start in range(0, prompt_blocks(len(tokens), size) * size, size):
-            name = name_of((name, tokens[start : start + size]))
+        # shared.block_hashes.block_names, inlined and lazy (a block is named only when
+        # every block before it matched): this loop is the cost of a placement
+        for block in blocks_of(tokens, size, prompt_blocks(len(tokens), size)):
+            name = hash((name, block))
             now = holders(name, 0) & held
             if now != held:
                 _record(matched, masks, held & ~now, depth)

@@ -82,6 +82,18 @@ def test_same_tokens_same_names_and_chained() -> None:
     assert not set(a) & set(block_names(changed, SIZE, seed))
 
 
+@pytest.mark.parametrize(("size", "count"), [(4, 3), (16, 2), (1, 1500)])
+def test_names_are_the_chained_tuple_hashes(size: int, count: int) -> None:
+    """The definition workers and gateways share, also past the prebuilt block slices."""
+    token_ids = tokens(count * size + size - 1)
+    name = chain_seed(MODEL, None)
+    expected = []
+    for block in range(count):
+        name = hash((name, tuple(token_ids[block * size : (block + 1) * size])))
+        expected.append(name)
+    assert block_names(token_ids, size, chain_seed(MODEL, None)) == expected
+
+
 def test_lora_and_model_separate_names() -> None:
     base = block_names(tokens(8), SIZE, chain_seed(MODEL, None))
     assert base != block_names(tokens(8), SIZE, chain_seed(MODEL, "sql"))
@@ -384,3 +396,40 @@ def test_names_do_not_depend_on_how_blocks_are_batched(
         first += count
     assert names == block_names(token_ids, SIZE, chain_seed(MODEL, None))[:first]
     assert index.match(MODEL, None, [*token_ids[: first * SIZE], 7], ["w1"]).get("w1", 0) == first
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), min_size=0, max_size=14 * SIZE),
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]),
+        st.tuples(st.integers(0, 14), st.lists(st.integers(0, 13), max_size=4), st.booleans()),
+        max_size=4,
+    ),
+)
+def test_walk_stops_where_the_full_naming_says(
+    token_ids: list[int], held: dict[str, tuple[int, list[int], bool]]
+) -> None:
+    """The walk names a block only while some worker holds every block before it; each
+    worker's match is still the run of leading blocks it holds, as naming the whole
+    prompt and checking every block says. Workers hold a prefix of the prompt's chain
+    (or of a chain that differs from the second token on) with holes removed."""
+    names = block_names(token_ids, SIZE, chain_seed(MODEL, None))
+    index = PrefixIndex()
+    feed = Feed(index)
+    holds: dict[str, set[int]] = {}
+    for worker_id, (count, holes, other) in held.items():
+        chain = [*token_ids[:1], *(t + 1 for t in token_ids[1:])] if other else token_ids
+        count = min(count, len(chain) // SIZE)
+        feed.send(worker_id, stored(chain[: count * SIZE]), RemovedBlocks(holes))
+        kept = set(block_names(chain[: count * SIZE], SIZE, chain_seed(MODEL, None)))
+        holds[worker_id] = kept - {names[h] for h in holes if h < len(names)}
+    usable = max(0, (len(token_ids) - 1) // SIZE)
+    expected = {}
+    for worker_id, own in holds.items():
+        run = 0
+        while run < usable and names[run] in own:
+            run += 1
+        if run:
+            expected[worker_id] = run
+    assert index.match(MODEL, None, token_ids, sorted(held)) == expected
