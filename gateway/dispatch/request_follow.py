@@ -23,10 +23,16 @@ from gateway.dispatch.plan import Deadline, Resume
 from gateway.dispatch.reply_router import StreamInterrupted
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_log import RequestLog
+from shared.errors import BackendUnavailable
 from shared.queue.liveness import hold_request, release_request
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+
+class LeaseLost(BackendUnavailable):
+    """Another gateway holds the request now (it took it over): stop reading here."""
+
 
 QUEUE_SIZE = 4096
 """Events read ahead of the handle's owner (the reader waits when it is full)."""
@@ -71,7 +77,8 @@ async def _read(
     try:
         async for events in request_log.follow(after):
             if lease.done():
-                queue.put_nowait(StreamInterrupted(_lease_lost(lease)))
+                reason = _lease_lost(lease)
+                queue.put_nowait(StreamInterrupted(reason, LeaseLost(reason)))
                 return
             for event in events:
                 await queue.put(event)

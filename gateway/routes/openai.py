@@ -18,7 +18,7 @@ from gateway.control.records import Principal, Scope
 from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
-from gateway.serving import endpoints, limits, responses, resumable, resume
+from gateway.serving import background, endpoints, limits, responses, resumable, resume
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import GatewayState, StateDep
 from shared.errors import ResponseNotFound
@@ -106,10 +106,25 @@ async def create_response(
     return await responses.create_response(state, body, headers, request.receive)
 
 
-@router.get("/responses/{response_id}")
-async def get_response(response_id: str, state: StateDep, principal: Inference) -> dict[str, Any]:
+@router.get("/responses/{response_id}", response_model=None)
+async def get_response(
+    response_id: str,
+    state: StateDep,
+    principal: Inference,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+) -> dict[str, Any] | Response:
+    if stream:
+        return await background.stream(state, response_id, starting_after, principal)
     row = await _stored(state).get(response_id, principal)
     return row.body
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, state: StateDep, principal: Inference
+) -> dict[str, Any]:
+    return await background.cancel(state, response_id, principal)
 
 
 @router.delete("/responses/{response_id}")
