@@ -28,6 +28,7 @@ grace period after it ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -62,7 +63,7 @@ from shared.connections.connect import as_text
 from shared.errors import ConveyorError, InvalidRequest, ResponseNotFound
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 from shared.queue import names
-from shared.queue.liveness import take_request
+from shared.queue.liveness import release_request, take_request
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,10 @@ async def run(
     except LeaseLost:
         log.warning("background request %s is served by another gateway now", request_id)
         return
+    except asyncio.CancelledError:  # this gateway stops: another takes it over at once
+        with contextlib.suppress(RedisError):
+            await asyncio.shield(release_request(redis, request_id))
+        raise
     except ConveyorError as exc:
         log.warning("background request %s ended with an error: %s", request_id, exc)
     except RedisError as exc:
@@ -190,7 +195,8 @@ class _Runner:
         await self._append(self._events.start())
         try:
             async for event in handle.events(idle_timeout_s=CANCEL_CHECK_S):
-                if await self._cancelled():
+                # a final event may be the workers' answer to the cancel: look every time
+                if await self._cancelled(now=isinstance(event, FinishEvent | ErrorEvent)):
                     await self._close_log()
                     return
                 if isinstance(event, TokenEvent):
@@ -224,8 +230,8 @@ class _Runner:
         await self._store.update(rendered[-1]["response"], unless_cancelled=True)
         log.info("background response %s: %s", self._events.draft.id, rendered[-1]["type"])
 
-    async def _cancelled(self) -> bool:
-        if time.monotonic() - self._checked < CANCEL_CHECK_S:
+    async def _cancelled(self, *, now: bool = False) -> bool:
+        if not now and time.monotonic() - self._checked < CANCEL_CHECK_S:
             return False
         self._checked = time.monotonic()
         return bool(await self._redis.exists(names.cancel_flag(self._request_id)))

@@ -24,6 +24,7 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.items import ToolCallItem, ToolCallOutputItem
+from pydantic import BaseModel
 
 from tests.e2e.conftest import Running
 
@@ -39,24 +40,38 @@ def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
     return f"Sunny in {city}."
 
 
+class Answer(BaseModel):
+    weather: Literal["sunny", "rainy"]
+
+
 class ForcedToolModel(OpenAIResponsesModel):
-    """``required`` until a tool has answered, then ``none``."""
+    """``tool_choice="required"`` until a tool has answered; then ``"none"`` and the
+    agent's output schema (structured outputs end the answer: the model has no reason to
+    stop by itself, and the Agents SDK takes an ``incomplete`` answer for an error)."""
 
     async def get_response(
         self,
-        system_instructions: Any,
+        system_instructions: str | None,
         input: Any,
         model_settings: ModelSettings,
+        tools: list[Any],
+        output_schema: Any,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
         answered = isinstance(input, list) and any(
             isinstance(item, dict) and item.get("type") == "function_call_output" for item in input
         )
-        settings = model_settings.resolve(
-            ModelSettings(tool_choice="none" if answered else "required")
+        forced = ModelSettings(tool_choice="none" if answered else "required")
+        return await super().get_response(
+            system_instructions,
+            input,
+            model_settings.resolve(forced),
+            tools,
+            output_schema if answered else None,
+            *args,
+            **kwargs,
         )
-        return await super().get_response(system_instructions, input, settings, *args, **kwargs)
 
 
 @pytest.fixture
@@ -74,13 +89,14 @@ async def test_an_agent_runs_a_tool_turn(running: Running, client: openai.AsyncO
         instructions="Answer with the weather.",
         tools=[get_weather],
         model=ForcedToolModel(model=running.model, openai_client=client),
-        model_settings=ModelSettings(max_tokens=40, temperature=0.0),
+        model_settings=ModelSettings(max_tokens=120, temperature=0.0),
+        output_type=Answer,
     )
     result = await Runner.run(agent, "Weather in Paris?", max_turns=3)
     kinds = [type(item) for item in result.new_items]
     assert ToolCallItem in kinds and ToolCallOutputItem in kinds
     assert CALLS and CALLS[-1] in ("Paris", "Tokyo")
-    assert isinstance(result.final_output, str)
+    assert isinstance(result.final_output, Answer)
     assert len(result.raw_responses) == 2
 
 
