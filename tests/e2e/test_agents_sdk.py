@@ -89,7 +89,7 @@ async def test_an_agent_runs_a_tool_turn(running: Running, client: openai.AsyncO
         instructions="Answer with the weather.",
         tools=[get_weather],
         model=ForcedToolModel(model=running.model, openai_client=client),
-        model_settings=ModelSettings(max_tokens=120, temperature=0.0),
+        model_settings=ModelSettings(max_tokens=120, temperature=0.0, parallel_tool_calls=False),
         output_type=Answer,
     )
     result = await Runner.run(agent, "Weather in Paris?", max_turns=3)
