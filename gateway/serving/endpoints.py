@@ -284,7 +284,8 @@ async def _generate(
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
     if headers.resumable:
-        plan = await resumable.prepare(state, plan, body)
+        kind: resumable.Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+        plan = await resumable.prepare(state, plan, body, kind=kind)
     handle = await state.cells.for_model(plan.served_by).dispatcher.submit(plan)
     if body.stream:
         prompts = _prompts(plan)

@@ -66,7 +66,7 @@ async def prepare(
     plan: RequestPlan[Generation],
     body: Any,
     *,
-    kind: Kind | None = None,
+    kind: Kind,
     holder: str = CLIENT,
     response: dict[str, Any] | None = None,
 ) -> RequestPlan[Generation]:
@@ -75,7 +75,7 @@ async def prepare(
         raise InvalidRequest(f"{HEADER}: true needs a streamed request", param=HEADER)
     resume = resume_of(state, holder)
     spec = ResumeSpec(
-        kind=kind or ("chat" if plan.request_id.startswith("chatcmpl") else "completion"),
+        kind=kind,
         body=body.model_dump(mode="json", exclude_unset=True, by_alias=True),
         key_id=plan.key_id,
         sequences=len(plan.work.choices),
