@@ -16,7 +16,6 @@ import json
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -41,29 +40,30 @@ class Pair:
     b_url: str
 
 
-def start_pair(cluster: Cluster, data_dir: Path) -> Pair:
+def start_pair(cluster: Cluster) -> Pair:
+    """Two more gateways, on the cluster's database as well as its Redis: every gateway
+    of a Redis may take over a background response, and stores it in that database."""
     assert cluster.stack is not None
-    env = {"CONVEYOR_DATA_DIR": str(data_dir)}
-    a, a_url = cluster.stack.start_gateway("gateway-a", **env)
-    b, b_url = cluster.stack.start_gateway("gateway-b", **env)
+    a, a_url = cluster.stack.start_gateway("gateway-a")
+    b, b_url = cluster.stack.start_gateway("gateway-b")
     for process, url in ((a, a_url), (b, b_url)):
         wait_until(f"{url}/ready", status=200, process=process, timeout_s=120)
     return Pair(a, a_url, b, b_url)
 
 
-def restart_a(cluster: Cluster, pair: Pair, data_dir: Path) -> None:
+def restart_a(cluster: Cluster, pair: Pair) -> None:
     """A new gateway A (after a fault killed the last one)."""
     assert cluster.stack is not None
-    pair.a, pair.a_url = cluster.stack.start_gateway("gateway-a", CONVEYOR_DATA_DIR=str(data_dir))
+    pair.a, pair.a_url = cluster.stack.start_gateway("gateway-a")
     wait_until(f"{pair.a_url}/ready", status=200, process=pair.a, timeout_s=120)
 
 
-async def check_all(cluster: Cluster, pair: Pair, data_dir: Path) -> list[str]:
+async def check_all(cluster: Cluster, pair: Pair) -> list[str]:
     """Every scenario; the problems found (none: all good)."""
     problems: list[str] = []
     reference = await background(cluster, pair, faults=False)
     faulted = await background(cluster, pair, faults=True)
-    restart_a(cluster, pair, data_dir)
+    restart_a(cluster, pair)
     cluster.wait_workers(len(cluster.workers))
     for name, result in (("reference", reference), ("faulted", faulted)):
         if result.sequence_numbers != list(range(len(result.sequence_numbers))):
@@ -79,7 +79,7 @@ async def check_all(cluster: Cluster, pair: Pair, data_dir: Path) -> list[str]:
     for fault in ("drop", "kill"):
         resumed = await resumed_stream(pair, fault=fault)
         if fault == "kill":
-            restart_a(cluster, pair, data_dir)
+            restart_a(cluster, pair)
         if resumed.text != whole.text:
             problems.append(f"stream resumed after {fault}: {resumed.text!r} != {whole.text!r}")
         if len(set(resumed.ids)) != len(resumed.ids):

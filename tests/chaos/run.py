@@ -64,8 +64,8 @@ def main() -> int:
     try:
         cluster.start(args.workers)
         if args.resume:
-            pair = resume.start_pair(cluster, workdir / "data")
-            problems = asyncio.run(resume.check_all(cluster, pair, workdir / "data"))
+            pair = resume.start_pair(cluster)
+            problems = asyncio.run(resume.check_all(cluster, pair))
             print("resume checks:", problems or "all good", flush=True)
             return 1 if problems else 0
         print(HEADER, flush=True)

@@ -82,15 +82,12 @@ def test_a_forced_tool_call_survives_its_worker_sigkill(cluster: Cluster) -> Non
     assert migrated.arguments == reference.arguments
 
 
-def test_background_and_resumed_streams_survive_sigkills(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_background_and_resumed_streams_survive_sigkills(cluster: Cluster) -> None:
     """A background response outlives the gateway that accepted it and its worker; a
     resumable stream resumed after a drop and after its gateway's SIGKILL is whole."""
-    data_dir = tmp_path_factory.mktemp("resume-data")
-    pair = resume.start_pair(cluster, data_dir)
+    pair = resume.start_pair(cluster)
     try:
-        assert asyncio.run(resume.check_all(cluster, pair, data_dir)) == []
+        assert asyncio.run(resume.check_all(cluster, pair)) == []
     finally:
         pair.a.terminate()
         pair.b.terminate()
