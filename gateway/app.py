@@ -4,6 +4,7 @@ plane (SQL)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -31,6 +32,7 @@ from gateway.openai.unknown_fields import UnknownFieldLog
 from gateway.placement.cache_placement import CachePlacement
 from gateway.placement.placer import Placer
 from gateway.routes import admin, health, loras, metrics, openai, requests, vllm, workers
+from gateway.serving import background
 from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
@@ -65,7 +67,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
         state.attach(control)
         await control.start()
-        tasks = []
+        tasks = [asyncio.create_task(background.takeover_loop(state), name="background-takeover")]
         for cell in state.cells.all():
             cell.adapters.republish = control.lora.publish
             tasks += cell.tasks(state.gateway_id, settings.gateway_liveness_ttl_s)
@@ -74,8 +76,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             yield
         finally:
             state.draining = True
+            await cancel_and_wait([*tasks, *state.runners.values()])  # others take them over
             await state.cells.wait_background()
-            await cancel_and_wait(tasks)
             await control.stop()
             for cell in state.cells.all():
                 with contextlib.suppress(RedisError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -36,6 +37,9 @@ class GatewayState:
     tracer: Tracer = field(default_factory=Tracer)
     """Spans over OTLP when an endpoint is set (gateway/metrics/request_trace.py)."""
     draining: bool = False
+    runners: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    """The background responses this gateway renders, by request id
+    (gateway/serving/background.py)."""
     control: ControlPlane | None = None
     """SQL-backed parts (API keys, usage ledger); set by the lifespan (:meth:`attach`)."""
 

@@ -226,6 +226,14 @@ class RequestCancelled(ConveyorError):
     code = "request_cancelled"
 
 
+class StreamNotFound(ConveyorError):
+    """No resumable stream with this id (never one, another key's, or its log expired)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "stream_not_found"
+
+
 class RetryableError(ConveyorError):
     """The request may succeed later; responses carry ``Retry-After``."""
 

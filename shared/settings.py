@@ -355,6 +355,20 @@ class GatewaySettings(ImageSettings):
         description="Delete stored /v1/responses answers older than this many days "
         "(0: keep them all).",
     )
+    resume_grace_s: float = Field(
+        30.0,
+        description="A resumable stream (`Conveyor-Resumable: true`) keeps running this "
+        "long after its last reader left, waiting for the client to resume it; then it "
+        "is cancelled (the workers see it gone after their own grace period, "
+        "CONVEYOR_GATEWAY_LIVENESS_TTL_S). Its events stay readable this long after "
+        "its deadline.",
+    )
+    response_events_ttl_s: float = Field(
+        86400.0,
+        description="How long a background response's events stay in Redis for a "
+        "streamed retrieve (`GET /v1/responses/{id}?stream=true`) after it ends; the "
+        "response itself stays in SQL until CONVEYOR_RESPONSES_RETENTION_DAYS.",
+    )
     lora_load_timeout_s: float = Field(
         60.0,
         description="How long POST /admin/loras waits for a worker to report the adapter "

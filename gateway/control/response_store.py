@@ -22,7 +22,7 @@ from gateway.control.ledger import DATABASE_ERRORS
 from gateway.control.records import Principal, Scope
 from gateway.db import responses_repo
 from gateway.db.models import StoredResponseRow
-from shared.errors import ResponseNotFound
+from shared.errors import InvalidRequest, ResponseNotFound
 from shared.queue import names
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,15 @@ class ResponseStore:
         async with self._sessions.begin() as session:
             await responses_repo.insert(session, row)
 
+    async def update(self, body: Json, *, unless_cancelled: bool = False) -> None:
+        """A background response's new state (a cancelled one keeps its status when
+        ``unless_cancelled``); nothing if it was deleted meanwhile."""
+        async with self._sessions.begin() as session:
+            row = await responses_repo.get(session, body["id"])
+            if row is None or (unless_cancelled and row.body.get("status") == "cancelled"):
+                return
+            row.body = body
+
     async def get(
         self, response_id: str, principal: Principal, param: str | None = None
     ) -> StoredResponseRow:
@@ -69,6 +78,8 @@ class ResponseStore:
         next_id: str | None = response_id
         while next_id is not None and len(turns) < MAX_CHAIN:
             row = await self.get(next_id, principal, param="previous_response_id")
+            if not turns:
+                _check_continuable(row)
             turns.append([*row.input_items, *row.body.get("output", [])])
             next_id = row.previous_response_id
         return [item for turn in reversed(turns) for item in turn]
@@ -77,6 +88,16 @@ class ResponseStore:
         await self.get(response_id, principal)
         async with self._sessions.begin() as session:
             await responses_repo.remove(session, response_id)
+
+
+def _check_continuable(row: StoredResponseRow) -> None:
+    status = row.body.get("status")
+    if status in ("queued", "in_progress", "cancelled"):
+        raise InvalidRequest(
+            f"Previous response with id '{row.id}' is {status.replace('_', ' ')}: only a "
+            "finished response can be continued.",
+            param="previous_response_id",
+        )
 
 
 def _item_id() -> str:

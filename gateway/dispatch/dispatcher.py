@@ -26,11 +26,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dispatch.drain_rate import DrainMeter
 from gateway.dispatch.lost_admissions import Admitted, LostAdmissions
-from gateway.dispatch.plan import AnyPlan, Embedding, Generation
+from gateway.dispatch.plan import AnyPlan, Deadline, Embedding, Generation, Resume
 from gateway.dispatch.queue_watch import QueueBoard
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_accounting import RequestAccounting
+from gateway.dispatch.request_follow import follow
 from gateway.dispatch.request_handle import RequestHandle
+from gateway.dispatch.request_log import RequestLog, log_stream
 from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
 from gateway.placement.load import LoadPlacer
@@ -53,6 +55,7 @@ from shared.queue.key_limits import (
     Limits,
     key_limit_error,
 )
+from shared.queue.liveness import hold_request
 from shared.queue.lora_registry import SERVING_ROLE, adapter_stream
 from shared.queue.media_store import ImageStore
 from shared.queue.usage import UsageRecord
@@ -227,7 +230,7 @@ class Dispatcher:
                 model=plan.model,
                 prompt_token_ids=choice.prompt_token_ids,
                 sampling=choice.sampling,
-                reply_to=self._router.stream,
+                reply_to=self._reply_to(plan),
                 deadline_unix=plan.deadline.deadline_unix,
                 created_unix=plan.deadline.created_unix,
                 images=work.images,
@@ -238,6 +241,10 @@ class Dispatcher:
             for choice in work.choices
         ]
         return stream, role, jobs
+
+    def _reply_to(self, plan: AnyPlan) -> str:
+        """This gateway's reply stream, or a resumable request's own (its log)."""
+        return self._router.stream if plan.resume is None else log_stream(plan.request_id)
 
     def _first_stream(self, plan: AnyPlan, work: Generation) -> tuple[str, Role, Role | None]:
         """The stream of the first stage, its role, and the stage after encode (if it is
@@ -294,8 +301,10 @@ class Dispatcher:
         own stream when ``placement`` names one) and open the route for their events."""
         request_id = plan.request_id
         self.drain.watch(stream)
-        events = self._router.open(request_id)
         placed_on = placement.worker_id if placement is not None else None
+        if plan.resume is not None:
+            return await self._enqueue_resumable(stream, jobs, plan, plan.resume, placed_on)
+        events = self._router.open(request_id)
         try:
             opened = self.accounting.opened_by(plan)
             result = await self._admit(stream, jobs, plan, opened, placed_on)
@@ -303,22 +312,10 @@ class Dispatcher:
             self._router.close(request_id)
             log.warning("the job queue is unreachable: %s", exc)
             raise BackendUnavailable("the job queue is unreachable; retry") from exc
-        headers = result.usage.headers() if result.usage is not None else {}
         if result.outcome is not Admission.QUEUED:
             self._router.close(request_id)
-            if result.outcome is Admission.LIMITED and result.usage is not None:
-                raise key_limit_error(result.usage, LimitKind(result.detail))
-            retry_after = 1
-            if result.outcome is Admission.FULL:
-                excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
-                retry_after = self.drain.retry_after_s(stream, excess)
-            _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
-        log.info("queued %s: %d sequence(s) for %s", request_id, len(jobs), plan.model)
-        if result.placed_on is not None:
-            prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
-            self._directory.note_placed(result.placed_on, len(jobs), prompt_tokens)
-        elif placed_on is not None:
-            log.debug("%s went to the shared stream: worker %s had left", request_id, placed_on)
+        headers = self._admitted(result, stream, jobs, plan)
+        self._note_placed(result, placed_on, jobs)
         self.accounting.opened(plan)
         if plan.key_id is not None:
             self._open_by_key.setdefault(plan.key_id, set()).add(request_id)
@@ -334,6 +331,77 @@ class Dispatcher:
             handle.tally.choices_per_prompt = plan.work.choices_per_prompt
         self.lost.watch(Admitted(stream, jobs, plan, handle))
         return handle
+
+    def _admitted(
+        self, result: AdmissionResult, stream: str, jobs: list[Job], plan: AnyPlan
+    ) -> dict[str, str]:
+        """Raise the refusal of ``result``, or log the request queued; its headers."""
+        headers = result.usage.headers() if result.usage is not None else {}
+        if result.outcome is not Admission.QUEUED:
+            if result.outcome is Admission.LIMITED and result.usage is not None:
+                raise key_limit_error(result.usage, LimitKind(result.detail))
+            retry_after = 1
+            if result.outcome is Admission.FULL:
+                excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
+                retry_after = self.drain.retry_after_s(stream, excess)
+            _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
+        log.info("queued %s: %d sequence(s) for %s", plan.request_id, len(jobs), plan.model)
+        return headers
+
+    def _note_placed(self, result: AdmissionResult, placed_on: str | None, jobs: list[Job]) -> None:
+        """Count the jobs on the worker they were placed on until its next load report."""
+        if result.placed_on is not None:
+            prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+            self._directory.note_placed(result.placed_on, len(jobs), prompt_tokens)
+        elif placed_on is not None:
+            log.debug(
+                "%s went to the shared stream: worker %s had left", jobs[0].request_id, placed_on
+            )
+
+    async def _enqueue_resumable(
+        self,
+        stream: str,
+        jobs: list[Job],
+        plan: AnyPlan,
+        resume: Resume,
+        placed_on: str | None,
+    ) -> RequestHandle:
+        """Queue a resumable request: its log and lease first (a worker checks the lease
+        when it takes a job), then its jobs; its first reader follows its log."""
+        try:
+            await RequestLog(self._redis, plan.request_id).open(
+                plan.deadline.remaining_s() + resume.keep_s
+            )
+            await hold_request(self._redis, plan.request_id, resume.holder, resume.lease_s)
+            opened = self.accounting.opened_by(plan)
+            result = await self._admit(stream, jobs, plan, opened, placed_on)
+        except RedisError as exc:
+            log.warning("the job queue is unreachable: %s", exc)
+            raise BackendUnavailable("the job queue is unreachable; retry") from exc
+        headers = self._admitted(result, stream, jobs, plan)
+        self._note_placed(result, placed_on, jobs)
+        handle = self.follow(plan.request_id, len(jobs), plan.deadline, resume)
+        handle.headers.update(headers)
+        return handle
+
+    def follow(
+        self,
+        request_id: str,
+        sequences: int,
+        deadline: Deadline,
+        resume: Resume,
+        *,
+        after: str = "0-0",
+    ) -> RequestHandle:
+        """A reader of a resumable request's events (request_follow.py): closing it never
+        cancels the request."""
+        return follow(
+            self._redis, request_id, sequences, deadline, resume, self._in_background, after=after
+        )
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request on the workers (from a task that outlives the caller)."""
+        self._in_background(self._send_cancel(request_id))
 
     async def _readmit(self, request: Admitted) -> AdmissionResult:
         plan = request.plan

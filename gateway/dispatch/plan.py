@@ -72,6 +72,21 @@ W = TypeVar("W", Generation, Embedding)
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """A resumable request (:mod:`gateway.dispatch.request_log`): its events go to its own
+    reply stream, and it runs while someone holds its lease."""
+
+    holder: str
+    """Who keeps its lease: a gateway's id (a background response) or ``client`` (an
+    attached stream: any gateway a client reads it from)."""
+    lease_s: float
+    """The lease's TTL: the request is aborted once nobody renewed it for this long (plus
+    the workers' grace period)."""
+    keep_s: float
+    """How long its events stay readable after its deadline."""
+
+
+@dataclass(frozen=True, slots=True)
 class RequestPlan(Generic[W]):
     request_id: str
     model: str
@@ -91,6 +106,8 @@ class RequestPlan(Generic[W]):
     """OpenAI's ``prompt_cache_key``: placement's affinity hint (requests sharing a prefix)."""
     traceparent: str | None = None
     """The request's trace context, carried by its jobs (None: not traced)."""
+    resume: Resume | None = None
+    """Set for a resumable request (None: its events go to this gateway's reply stream)."""
 
     @property
     def served_by(self) -> str:

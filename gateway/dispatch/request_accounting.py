@@ -23,6 +23,7 @@ from gateway.dispatch.group_commit import GroupCommit, WriterCancelled
 from gateway.dispatch.plan import AnyPlan
 from gateway.dispatch.request_tally import prompt_tokens, sequences
 from shared.connections.retry import Backoff, retry
+from shared.queue import names
 from shared.queue.job_queue import OpenedBy
 from shared.queue.key_limits import CONCURRENCY_LEASE_S, KeyLimitCounters, LimitCharge
 from shared.queue.open_requests import OpenRequest, OpenRequests
@@ -54,6 +55,8 @@ class RequestAccounting:
             received_unix=plan.deadline.created_unix,
             reservation=plan.charge.reservation() if plan.charge is not None else None,
         )
+        if plan.resume is not None:  # settled from what was sent, whichever gateway is left
+            return OpenedBy(names.request_holder(plan.request_id), record)
         return OpenedBy(self.gateway_id, record)
 
     def opened(self, plan: AnyPlan) -> None:

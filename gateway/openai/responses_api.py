@@ -8,6 +8,7 @@ stream's chat deltas become Responses' typed events, each with its ``sequence_nu
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +23,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def item_id(prefix: str, response_id: str, index: int) -> str:
+    """An output item's id, a function of its response and place: a response's events
+    rendered again (a resumed background response) name the same items."""
+    digest = hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+    return f"{prefix}_{digest}"
+
+
+def response_id_of(request_id: str) -> str:
+    """The response id of a request (``chatcmpl-{hex}`` -> ``resp_{hex}``)."""
+    return f"resp_{request_id.rpartition('-')[2]}"
+
+
+def request_id_of(response_id: str) -> str:
+    return f"chatcmpl-{response_id.removeprefix('resp_')}"
+
+
 @dataclass(slots=True)
 class ResponseDraft:
     """What a response echoes of its request; ``body`` renders it with an outcome."""
@@ -31,6 +48,7 @@ class ResponseDraft:
     request: Json
     """The echoed request fields (instructions, tools, tool_choice, text, ...)."""
     created_at: int = field(default_factory=lambda: int(time.time()))
+    background: bool = False
 
     def body(
         self,
@@ -46,7 +64,7 @@ class ResponseDraft:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": self.background,
             "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "model": self.model,

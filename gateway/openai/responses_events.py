@@ -9,8 +9,8 @@ from gateway.openai.responses_api import (
     Json,
     ResponseDraft,
     call_item,
+    item_id,
     message_item,
-    new_id,
     output_text,
     reasoning_item,
 )
@@ -35,6 +35,13 @@ class ResponseEvents:
         self.output: list[Json] = []
         self._seq = 0
         self._open: _OpenItem | None = None
+
+    def _id(self, prefix: str, index: int) -> str:
+        return item_id(prefix, self.draft.id, index)
+
+    @property
+    def next_sequence_number(self) -> int:
+        return self._seq
 
     def _event(self, kind: str, **fields: object) -> Json:
         body: Json = {"type": kind, **fields, "sequence_number": self._seq}
@@ -100,11 +107,11 @@ class ResponseEvents:
     def _open_text(self, kind: str) -> list[Json]:
         index = len(self.output)
         if kind == "message":
-            item = _OpenItem(kind, new_id("msg"), index)
+            item = _OpenItem(kind, self._id("msg", index), index)
             added = message_item(item.id, None, "in_progress")
             part = output_text("")
         else:
-            item = _OpenItem(kind, new_id("rs"), index)
+            item = _OpenItem(kind, self._id("rs", index), index)
             added = reasoning_item(item.id, "", "in_progress")
             added["content"] = []
             part = {"type": "reasoning_text", "text": ""}
@@ -118,7 +125,10 @@ class ResponseEvents:
 
     def _open_call(self, call_id: str, name: str) -> list[Json]:
         index = len(self.output)
-        self._open = _OpenItem("function_call", new_id("fc"), index, call_id=call_id, name=name)
+        call_id = self._id("call", index)  # not the parser's: the same when rendered again
+        self._open = _OpenItem(
+            "function_call", self._id("fc", index), index, call_id=call_id, name=name
+        )
         added = call_item(self._open.id, call_id, name, "", "in_progress")
         self.output.append(added)
         return [self._event("response.output_item.added", output_index=index, item=added)]

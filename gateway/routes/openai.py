@@ -19,7 +19,7 @@ from gateway.metrics.request_trace import request_trace
 from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
-from gateway.serving import endpoints, limits, responses
+from gateway.serving import background, endpoints, limits, responses, resumable, resume
 from gateway.serving.endpoints import RequestHeaders
 from gateway.state import GatewayState, StateDep
 from shared.errors import ResponseNotFound
@@ -30,6 +30,9 @@ Inference = Annotated[Principal, Depends(require_scope(Scope.INFERENCE))]
 router = APIRouter(prefix="/v1")
 
 IdempotencyKey = Annotated[str | None, Header(alias=limits.IDEMPOTENCY_HEADER)]
+Resumable = Annotated[bool, Header(alias=resumable.HEADER)]
+"""``Conveyor-Resumable: true``: a stream the client may resume (see resumable.py)."""
+LastEventId = Annotated[str | None, Header(alias=resume.LAST_EVENT_ID)]
 RequestTimeout = Annotated[float | None, Header(alias=limits.TIMEOUT_HEADER)]
 
 
@@ -41,9 +44,12 @@ async def chat_completions(
     principal: Inference,
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
+    resumable_stream: Resumable = False,
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
+    headers = RequestHeaders(
+        idempotency_key, timeout_s, principal, request_trace(request), resumable_stream
+    )
     return await endpoints.chat_completions(state, body, headers, request.receive)
 
 
@@ -55,10 +61,27 @@ async def completions(
     principal: Inference,
     idempotency_key: IdempotencyKey = None,
     timeout_s: RequestTimeout = None,
+    resumable_stream: Resumable = False,
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
+    headers = RequestHeaders(
+        idempotency_key, timeout_s, principal, request_trace(request), resumable_stream
+    )
     return await endpoints.completions(state, body, headers, request.receive)
+
+
+@router.get("/chat/completions/{request_id}/stream", response_model=None)
+async def resume_chat_completion(
+    request_id: str, state: StateDep, principal: Inference, last_event_id: LastEventId = None
+) -> Response:
+    return await resume.resume_stream(state, request_id, "chat", last_event_id, principal)
+
+
+@router.get("/completions/{request_id}/stream", response_model=None)
+async def resume_completion(
+    request_id: str, state: StateDep, principal: Inference, last_event_id: LastEventId = None
+) -> Response:
+    return await resume.resume_stream(state, request_id, "completion", last_event_id, principal)
 
 
 @router.post("/embeddings", response_model=None)
@@ -88,10 +111,25 @@ async def create_response(
     return await responses.create_response(state, body, headers, request.receive)
 
 
-@router.get("/responses/{response_id}")
-async def get_response(response_id: str, state: StateDep, principal: Inference) -> dict[str, Any]:
+@router.get("/responses/{response_id}", response_model=None)
+async def get_response(
+    response_id: str,
+    state: StateDep,
+    principal: Inference,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+) -> dict[str, Any] | Response:
+    if stream:
+        return await background.stream(state, response_id, starting_after, principal)
     row = await _stored(state).get(response_id, principal)
     return row.body
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, state: StateDep, principal: Inference
+) -> dict[str, Any]:
+    return await background.cancel(state, response_id, principal)
 
 
 @router.delete("/responses/{response_id}")

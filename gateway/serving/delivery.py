@@ -59,6 +59,11 @@ def sse_data(body: Json, event_id: str | None = None) -> str:
     return f"{prefix}data: {data}\n\n"
 
 
+def event_id_of(index: int, seq: int, *, single: bool) -> str:
+    """The SSE ``id:`` of a choice's event: its seq (one choice) or ``{choice}-{seq}``."""
+    return str(seq) if single else f"{index}-{seq}"
+
+
 async def stream_events(
     handle: RequestHandle,
     fmt: ResponseWriter,
@@ -68,12 +73,16 @@ async def stream_events(
     include_usage: bool,
     keepalive_s: float,
     prompt_tokens: dict[int, int] | None = None,
+    after: tuple[int, int] | None = None,
     queue: QueueWatch | None = None,
 ) -> AsyncIterator[str]:
     """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments.
     ``prompt_tokens`` (each choice's prompt length) asks for vLLM's continuous usage:
-    every chunk carries its choice's usage so far. With ``queue``, a request still
-    waiting for a worker gets ``: queued position=N eta_s=S`` comments as it moves up."""
+    every chunk carries its choice's usage so far. ``after`` (choice, seq): a resumed
+    stream; the events up to that one are rendered again (the chunks are a function of
+    the events) and not sent, so the client gets each later chunk exactly once. With
+    ``queue``, a request still waiting for a worker gets ``: queued position=N eta_s=S``
+    comments as it moves up."""
     usage = Usage(choices_per_prompt)
     single = len(indices) == 1
     generated = dict.fromkeys(indices, 0)
@@ -108,7 +117,7 @@ async def stream_events(
                     quiet_s = 0.0
                 continue
             quiet_s = 0.0
-            event_id = str(event.seq) if single else f"{event.index}-{event.seq}"
+            event_id = event_id_of(event.index, event.seq, single=single)
             if isinstance(event, TokenEvent):
                 generated[event.index] += len(event.token_ids)
                 chunk = fmt.delta(event)
@@ -122,10 +131,18 @@ async def stream_events(
                 chunk = fmt.finish_chunk(event.index, event.finish_reason)
                 pending.append(sse_data(with_usage(chunk, event.index), event_id))
             elif isinstance(event, ErrorEvent):
-                pending.append(sse_data(RemoteError(event).to_openai(), event_id))
+                if after is not None:  # resumed after this error: the client has it
+                    pending.clear()
+                else:
+                    pending.append(sse_data(RemoteError(event).to_openai(), event_id))
                 pending.append(DONE)
                 yield "".join(pending)
                 return
+            if after is not None:  # resuming: nothing up to ``after`` is sent again
+                pending.clear()
+                if (event.index, event.seq) == after:
+                    after = None
+                continue
             if not handle.has_buffered():
                 yield "".join(pending)
                 pending.clear()

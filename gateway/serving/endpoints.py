@@ -40,7 +40,15 @@ from fastapi.responses import JSONResponse
 
 from gateway.catalog.served_models import ModelKind, ServedModel
 from gateway.control.records import ANONYMOUS, Principal
-from gateway.dispatch.plan import AnyPlan, Deadline, Embedding, Generation, RequestPlan, W
+from gateway.dispatch.plan import (
+    AnyPlan,
+    ChoiceSpec,
+    Deadline,
+    Embedding,
+    Generation,
+    RequestPlan,
+    W,
+)
 from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
@@ -54,7 +62,7 @@ from gateway.openai.schemas import (
     EmbeddingRequest,
     SamplingFields,
 )
-from gateway.serving import limits, translate
+from gateway.serving import limits, resumable, translate
 from gateway.serving.delivery import (
     EventStreamResponse,
     collect_response,
@@ -83,6 +91,8 @@ class RequestHeaders:
     """Who the request acts as (its API key; ANONYMOUS while auth is off)."""
     trace: RequestTrace | None = None
     """The request's trace (None: tracing is off)."""
+    resumable: bool = False
+    """``Conveyor-Resumable: true``: a stream its client may resume (serving/resumable.py)."""
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -92,35 +102,55 @@ async def chat_completions(
     state: GatewayState, body: ChatCompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan, parser = await plan_chat(state, body, headers)
-    fmt = ChatWriter(
-        plan.request_id,
-        plan.model,
+    fmt = chat_writer(body, plan.request_id, plan.model, _prompts(plan), parser)
+    return await _generate(state, plan, body, fmt, receive, headers)
+
+
+def chat_writer(
+    body: ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    prompts: dict[int, list[int]],
+    parser: OutputParser | None,
+) -> ChatWriter:
+    return ChatWriter(
+        request_id,
+        model,
         with_logprobs=body.logprobs,
         with_token_ids=body.return_token_ids,
-        prompt_token_ids=_prompts(plan),
+        prompt_token_ids=prompts,
         output=parser,
         tokens_as_ids=body.return_tokens_as_token_ids,
         echo=body.echoed(),
         role=answer_role(body),
     )
-    return await _generate(state, plan, body, headers, fmt, receive)
+
+
+def completion_writer(
+    body: CompletionRequest,
+    request_id: str,
+    model: str,
+    prompts: dict[int, list[int]],
+    echo: dict[int, Echo] | None,
+) -> CompletionWriter:
+    return CompletionWriter(
+        request_id,
+        model,
+        with_logprobs=body.logprobs is not None,
+        with_token_ids=body.return_token_ids,
+        prompt_token_ids=prompts,
+        tokens_as_ids=body.return_tokens_as_token_ids,
+        top_logprobs=body.logprobs,
+        echo=echo,
+    )
 
 
 async def completions(
     state: GatewayState, body: CompletionRequest, headers: RequestHeaders, receive: Receive
 ) -> Response:
     plan, echo = await plan_completion(state, body, headers)
-    fmt = CompletionWriter(
-        plan.request_id,
-        plan.model,
-        with_logprobs=body.logprobs is not None,
-        with_token_ids=body.return_token_ids,
-        prompt_token_ids=_prompts(plan),
-        tokens_as_ids=body.return_tokens_as_token_ids,
-        top_logprobs=body.logprobs,
-        echo=echo,
-    )
-    return await _generate(state, plan, body, headers, fmt, receive)
+    fmt = completion_writer(body, plan.request_id, plan.model, _prompts(plan), echo)
+    return await _generate(state, plan, body, fmt, receive, headers)
 
 
 async def embeddings(
@@ -149,26 +179,28 @@ async def plan_chat(
     model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_chat(body, model, state.settings)
-    tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
+    choices, parser = await chat_choices(body, model, len(parts))
+    images = await state.images.load(parts, deadline, state.cells.for_model(model.base).images)
+    work = Generation(choices, images, body.n)
+    plan = _plan(
+        "chatcmpl", model, work, deadline, idempotency_key, headers, cache_key=body.prompt_cache_key
+    )
+    return plan, parser
+
+
+async def chat_choices(
+    body: ChatCompletionRequest, model: ServedModel, images: int
+) -> tuple[tuple[ChoiceSpec, ...], OutputParser | None]:
+    """The chat request's choices (templated, tokenized), and how their text is read."""
+    tool_plan = plan_tools(body, model)
     rendering = translate.chat_rendering(body)
     prompt = await asyncio.to_thread(
-        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools, rendering
+        translate.chat_prompt, body, model, images, tool_plan.template_tools, rendering
     )
     tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
-    images = await state.images.load(parts, deadline, state.cells.for_model(model.base).images)
-    work = Generation(tuple(tool_plan.apply(choices)), images, body.n)
-    plan = _plan(
-        "chatcmpl",
-        model,
-        work,
-        deadline,
-        idempotency_key,
-        headers,
-        cache_key=body.prompt_cache_key,
-    )
-    return plan, tool_plan.parser
+    return tuple(tool_plan.apply(choices)), tool_plan.parser
 
 
 async def plan_completion(
@@ -178,22 +210,24 @@ async def plan_completion(
     model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
+    choices, echo = await completion_choices(body, model)
+    work = Generation(choices, (), body.n)
+    plan = _plan(
+        "cmpl", model, work, deadline, idempotency_key, headers, cache_key=body.prompt_cache_key
+    )
+    return plan, echo
+
+
+async def completion_choices(
+    body: CompletionRequest, model: ServedModel
+) -> tuple[tuple[ChoiceSpec, ...], dict[int, Echo] | None]:
+    """The request's choices (tokenized), and with ``echo`` each one's prompt written back."""
     prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
-    work = Generation(tuple(choices), (), body.n)
-    plan = _plan(
-        "cmpl",
-        model,
-        work,
-        deadline,
-        idempotency_key,
-        headers,
-        cache_key=body.prompt_cache_key,
-    )
     echo = None
     if body.echo:
         echo = await asyncio.to_thread(translate.echoes, body, choices, model)
-    return plan, echo
+    return tuple(choices), echo
 
 
 async def plan_embeddings(
@@ -283,28 +317,22 @@ async def submit(state: GatewayState, plan: AnyPlan, headers: RequestHeaders) ->
 async def _generate(
     state: GatewayState,
     plan: RequestPlan[Generation],
-    body: SamplingFields,
-    headers: RequestHeaders,
+    body: ChatCompletionRequest | CompletionRequest,
     fmt: ResponseWriter,
     receive: Receive,
+    headers: RequestHeaders,
 ) -> Response:
     indices = [choice.index for choice in plan.work.choices]
+    if headers.resumable:
+        kind: resumable.Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+        plan = await resumable.prepare(state, plan, body, kind=kind)
     cell = state.cells.for_model(plan.served_by)
     handle = await submit(state, plan, headers)
     if body.stream:
         if _worker_checks_grammar(plan) and not await _checked_before_streaming(handle, receive):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        events = stream_events(
-            handle,
-            fmt,
-            indices=indices,
-            choices_per_prompt=body.n,
-            include_usage=body.include_usage(),
-            keepalive_s=state.settings.sse_keepalive_s,
-            prompt_tokens=_prompt_tokens(plan) if body.continuous_usage() else None,
-            queue=QueueWatch(cell.dispatcher.queue_board, plan.request_id),
-        )
-        return EventStreamResponse(events, handle)  # the response owns the handle now
+        queue = QueueWatch(cell.dispatcher.queue_board, plan.request_id)
+        return stream_response(state, handle, fmt, body, _prompts(plan), indices, queue=queue)
     async with handle:
         work = collect_response(handle, fmt, indices=indices, choices_per_prompt=body.n)
         result = await unless_disconnected(work, receive)
@@ -337,10 +365,37 @@ async def _checked_before_streaming(handle: RequestHandle, receive: Receive) -> 
     return True
 
 
-def _prompt_tokens(plan: RequestPlan[Generation]) -> dict[int, int]:
+def stream_response(
+    state: GatewayState,
+    handle: RequestHandle,
+    fmt: ResponseWriter,
+    body: SamplingFields,
+    prompts: dict[int, list[int]],
+    indices: list[int],
+    *,
+    after: tuple[int, int] | None = None,
+    queue: QueueWatch | None = None,
+) -> EventStreamResponse:
+    """The SSE response of a generation; ``after``: resume after this event; ``queue``:
+    its place in the queue while it waits (comments)."""
+    events = stream_events(
+        handle,
+        fmt,
+        indices=indices,
+        choices_per_prompt=body.n,
+        include_usage=body.include_usage(),
+        keepalive_s=state.settings.sse_keepalive_s,
+        prompt_tokens=_prompt_tokens(prompts) if body.continuous_usage() else None,
+        after=after,
+        queue=queue,
+    )
+    return EventStreamResponse(events, handle)  # the response owns the handle now
+
+
+def _prompt_tokens(prompts: dict[int, list[int]]) -> dict[int, int]:
     """Each choice's prompt length, for continuous usage until the engine reports its own
     (a vision prompt's images count as their one placeholder token each until then)."""
-    return {index: len(prompt) for index, prompt in _prompts(plan).items()}
+    return {index: len(prompt) for index, prompt in prompts.items()}
 
 
 def _prompts(plan: RequestPlan[Generation]) -> dict[int, list[int]]:

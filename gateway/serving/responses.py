@@ -24,14 +24,14 @@ from gateway.openai.responses_api import (
     Json,
     ResponseDraft,
     echoed_fields,
-    new_id,
     output_items,
+    response_id_of,
     status_of,
     usage,
 )
 from gateway.openai.responses_events import ResponseEvents
 from gateway.openai.responses_schema import InputItem, ResponsesRequest
-from gateway.serving import responses_input
+from gateway.serving import background, responses_input
 from gateway.serving.delivery import KEEPALIVE, EventStreamResponse, unless_disconnected
 from gateway.serving.endpoints import (
     CLIENT_CLOSED_REQUEST,
@@ -64,7 +64,12 @@ async def create_response(
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc), param="input") from exc
     plan, parser = await plan_chat(state, chat, headers)
-    draft = ResponseDraft(new_id("resp"), plan.model, echoed_fields(body))
+    draft = ResponseDraft(response_id_of(plan.request_id), plan.model, echoed_fields(body))
+    if body.background:
+        items = _input_items(body)
+        return await background.accept(
+            state, plan, chat, draft, items, headers.principal, stream=bool(body.stream)
+        )
     handle = await submit(state, plan, headers)
     parser = parser or OutputParser()
     if body.stream:
@@ -99,12 +104,16 @@ def _store(state: GatewayState, body: ResponsesRequest, principal: Principal) ->
     control = state.control
     if not body.store or control is None:
         return _keep_nothing
-    items = [item.model_dump(by_alias=True, exclude_none=True) for item in body.input_items()]
+    items = _input_items(body)
 
     async def keep(response: Json) -> None:
         await control.responses.save(response, items, principal)
 
     return keep
+
+
+def _input_items(body: ResponsesRequest) -> list[Json]:
+    return [item.model_dump(by_alias=True, exclude_none=True) for item in body.input_items()]
 
 
 async def _keep_nothing(response: Json) -> None:

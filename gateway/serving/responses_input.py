@@ -36,10 +36,9 @@ from gateway.openai.schemas import (
     TextPart,
     ToolDefinition,
 )
-from shared.errors import UnsupportedParameter
+from shared.errors import InvalidRequest, UnsupportedParameter
 
 _REFUSED = {
-    "background": "background responses are not supported yet",
     "conversation": "conversations are not supported; use previous_response_id",
     "include": "include is not supported",
     "prompt": "prompt templates are not supported",
@@ -54,6 +53,10 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     for name, why in _REFUSED.items():
         if getattr(body, name) not in (None, False, []):
             raise UnsupportedParameter(why, param=name)
+    if body.background and not body.store:
+        raise InvalidRequest(
+            "background responses must be stored: set store=true", param="background"
+        )
     for item in body.input_items():
         if isinstance(item, MessageItem) and not isinstance(item.content, str):
             for part in item.content:

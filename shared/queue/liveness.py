@@ -288,6 +288,42 @@ async def keep_gateway_alive(redis: aioredis.Redis, gateway_id: str, ttl_s: floa
         await asyncio.sleep(min(GATEWAY_BEAT_MAX_S, ttl_s / 3))
 
 
+# ---------------------------------------------------------------- resumable requests
+
+_HOLD = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+async def hold_request(redis: aioredis.Redis, request_id: str, holder: str, ttl_s: float) -> bool:
+    """Keep a resumable request's lease (its pseudo-gateway's liveness key) for ``ttl_s``
+    as ``holder``; False: another holder has it. Workers abort the request once the lease
+    has been missing for their grace period."""
+    key = names.gateway_heartbeat(names.request_holder(request_id))
+    held = await redis.eval(_HOLD, 1, key, holder, int(ttl_s * 1000))
+    return bool(held)
+
+
+async def attach_request(redis: aioredis.Redis, request_id: str, ttl_s: float) -> None:
+    """A reader is attached to a resumable stream: its lease lives ``ttl_s`` more."""
+    key = names.gateway_heartbeat(names.request_holder(request_id))
+    await redis.set(key, b"attached", px=int(ttl_s * 1000))
+
+
+async def take_request(redis: aioredis.Redis, request_id: str, holder: str, ttl_s: float) -> bool:
+    """Take a resumable request whose lease lapsed (its holder died); False: it is held."""
+    key = names.gateway_heartbeat(names.request_holder(request_id))
+    return bool(await redis.set(key, holder.encode(), nx=True, px=int(ttl_s * 1000)))
+
+
+async def release_request(redis: aioredis.Redis, request_id: str) -> None:
+    """The request ended: its lease goes (its usage is then settled from what was sent)."""
+    await redis.delete(names.gateway_heartbeat(names.request_holder(request_id)))
+
+
 FORGET_AFTER_S = 3600.0
 
 

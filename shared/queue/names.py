@@ -85,6 +85,33 @@ def gateway_of_reply_stream(stream: str) -> str:
     return stream.removeprefix(_REPLY_PREFIX)
 
 
+_REQUEST_HOLDER_PREFIX = "r-"
+
+
+def request_holder(request_id: str) -> str:
+    """The pseudo-gateway id of a resumable request (a background response, a resumable
+    stream): its events go to ``reply_stream(request_holder(id))``, its liveness key
+    (``gateway_heartbeat(request_holder(id))``) is the lease whoever serves it keeps alive,
+    and its usage is opened under it. Workers treat it as any gateway: when the lease has
+    been missing for their grace period, they abort the request."""
+    return f"{_REQUEST_HOLDER_PREFIX}{request_id}"
+
+
+def resumable(request_id: str) -> str:
+    """Hash: how to read a resumable request's events again on any gateway (its kind,
+    its OpenAI body, its key, its times)."""
+    return f"{PREFIX}:resumable:{request_id}"
+
+
+def response_events(response_id: str) -> str:
+    """Stream: a background response's rendered events, entry id ``0-{sequence_number+1}``."""
+    return f"{PREFIX}:response-events:{response_id}"
+
+
+BACKGROUND_RESPONSES = f"{PREFIX}:responses:background"
+"""Sorted set: running background responses' request ids, scored by their deadline."""
+
+
 def cancel_flag(request_id: str) -> str:
     return f"{PREFIX}:cancel:{request_id}"
 

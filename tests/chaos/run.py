@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from shared.demo.model import write_demo_model
-from tests.chaos import scenarios
+from tests.chaos import resume, scenarios
 from tests.chaos.checker import HEADER, Report
 from tests.chaos.cluster import Cluster
 
@@ -40,6 +40,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenario", action="append", choices=sorted(scenarios.SCENARIOS))
     parser.add_argument("--no-load-shapes", action="store_true")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="only the background-response and resumable-stream checks (two more gateways)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--engine",
@@ -58,6 +63,11 @@ def main() -> int:
     print(f"chaos cluster in {workdir}", flush=True)
     try:
         cluster.start(args.workers)
+        if args.resume:
+            pair = resume.start_pair(cluster)
+            problems = asyncio.run(resume.check_all(cluster, pair))
+            print("resume checks:", problems or "all good", flush=True)
+            return 1 if problems else 0
         print(HEADER, flush=True)
         reports = asyncio.run(run_all(cluster, names, not args.no_load_shapes))
         leftovers = asyncio.run(scenarios.leftovers(cluster))

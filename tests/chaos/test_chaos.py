@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.chaos import scenarios
+from tests.chaos import resume, scenarios
 from tests.chaos.checker import HEADER
 from tests.chaos.cluster import Cluster
 from tests.chaos.run import WORKER_ENV
@@ -80,3 +80,14 @@ def test_a_forced_tool_call_survives_its_worker_sigkill(cluster: Cluster) -> Non
         # text is a raw control character, which the grammar lets into strings.
         jsonschema.validate(json.loads(call.arguments, strict=False), NOTE_SCHEMA)
     assert migrated.arguments == reference.arguments
+
+
+def test_background_and_resumed_streams_survive_sigkills(cluster: Cluster) -> None:
+    """A background response outlives the gateway that accepted it and its worker; a
+    resumable stream resumed after a drop and after its gateway's SIGKILL is whole."""
+    pair = resume.start_pair(cluster)
+    try:
+        assert asyncio.run(resume.check_all(cluster, pair)) == []
+    finally:
+        pair.a.terminate()
+        pair.b.terminate()

@@ -103,7 +103,7 @@ async def test_text_format_json_schema_reaches_the_job(gateway: LiveGateway) -> 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("background", True), ("include", ["reasoning.encrypted_content"]), ("top_logprobs", 2)],
+    [("include", ["reasoning.encrypted_content"]), ("top_logprobs", 2)],
 )
 async def test_unsupported_fields_are_refused_by_name(
     gateway: LiveGateway, field: str, value: Any
