@@ -34,6 +34,9 @@ class _Directory:
     def pools(self) -> dict[str, Any]:
         return {}
 
+    def loads(self) -> dict[str, Any]:
+        return {}
+
 
 class _Cells:
     """One cell with no workers and no open requests (gateway/dispatch/cells.py)."""
@@ -41,7 +44,9 @@ class _Cells:
     sharded = False
 
     def all(self) -> list[Any]:
-        return [SimpleNamespace(name="home", redis=FakeRedis(), directory=_Directory())]
+        return [
+            SimpleNamespace(name="home", redis=FakeRedis(), directory=_Directory(), placement=None)
+        ]
 
     def open_requests(self) -> int:
         return 0
