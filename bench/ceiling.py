@@ -49,8 +49,8 @@ from shared.queue import names
 ROLES = ("gateway", "worker", "redis", "client")
 SERVED_NAME = "ceiling"
 READY_STREAK = 20
-START_STEP_MS = 100.0
-"""The first level of every ladder: one token per stream every 100 ms."""
+START_STEP_MS = 50.0
+"""The first level of every ladder: one token per stream every 50 ms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-ms", type=float, default=ADDED_ITL_BUDGET_MS)
     parser.add_argument("--measure-s", type=float, default=6.0, help="at least; 20 steps")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="at least; 10 steps")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        help="measure this one fake-engine step time at each --streams (no ladder)",
+    )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set in the gateways' and workers' environment (e.g. PYTHONPATH=/tmp/old)",
+    )
     parser.add_argument("--max-levels", type=int, default=9)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--model", type=Path, help="a model folder (default: the demo model)")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the benchmark, its servers and the Redis at this niceness (a negative "
+        "one needs root: on a box shared with other work, the scheduler then serves them "
+        "first, as on a box of their own)",
+    )
     parser.add_argument("--json", type=Path, help="write every level's figures here")
     parser.add_argument("--log-dir", type=Path, help="server logs (default: a temp folder)")
     return parser
@@ -122,6 +142,7 @@ class Cluster:
             "CONVEYOR_ENGINE": "fake",
             "CONVEYOR_QUEUE_MAX_DEPTH": "100000",
             "CONVEYOR_LOG_LEVEL": "WARNING",
+            **dict(item.split("=", 1) for item in args.server_env),
         }
         self.gateways: list[ManagedServer] = []
         self.workers: list[ManagedServer] = []
@@ -317,9 +338,9 @@ def ladder(cluster: Cluster, streams: int) -> list[Measured]:
     measured: list[Measured] = []
     while len(measured) < args.max_levels:
         offered = next_offered([m.level for m in measured], start, args.budget_ms)
-        if offered is None:
+        if offered is None or (args.step_ms is not None and measured):
             break
-        step_ms = step_ms_for(streams, offered)
+        step_ms = args.step_ms or step_ms_for(streams, offered)
         cluster.start_workers(streams, step_ms)
         try:
             result = measure(cluster, streams, step_ms)
@@ -383,6 +404,8 @@ def _folder(given: Path | None) -> Iterator[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # the servers and clients inherit it
     print(f"code: {source_state()}; {os.cpu_count()} cores", flush=True)
     table: list[tuple[int, int, list[Measured]]] = []
     with ExitStack() as stack:
@@ -393,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             model = write_demo_model(log_dir / "model")
         redis.Redis.from_url(args.redis_url).flushdb()
+        if args.nice:
+            os.setpriority(os.PRIO_PROCESS, Cluster(args, model, log_dir).redis_pid(), args.nice)
         for gateways in args.gateways:
             cluster = Cluster(args, model, log_dir)
             try:
