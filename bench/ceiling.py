@@ -376,10 +376,13 @@ def _print_summary(table: list[tuple[int, int, list[Measured]]], budget_ms: floa
     )
     print(header)
     for gateways, streams, measured in table:
-        best = knee([m.level for m in measured], budget_ms)
-        if best is None:
-            print(f"{gateways:8d} {streams:7d}   no level held")
+        if not measured:
             continue
+        best = knee([m.level for m in measured], budget_ms)
+        note = ""
+        if best is None:  # none held: the one closest to the budget, marked
+            best = min((m.level for m in measured), key=lambda lv: lv.added_itl_p99_ms)
+            note = f"  (none held: best +{best.added_itl_p99_ms:.0f} ms)"
         m = next(m for m in measured if m.level is best)
         busiest = sorted(ROLES, key=lambda r: -m.cpu.cores(r))[:2]
         busy = ", ".join(f"{r} {m.cpu.cores(r):.2f}" for r in busiest)
@@ -388,7 +391,7 @@ def _print_summary(table: list[tuple[int, int, list[Measured]]], budget_ms: floa
             f" {best.itl_p99_ms:8.1f} {m.cpu.us_per_token('gateway'):10.1f}"
             f" {m.cpu.us_per_token('worker'):7.1f} {m.cpu.us_per_token('redis'):6.1f}"
             f" {m.cpu.us_per_token('client'):7.1f} {m.cpu.tokens_per_core_s('gateway'):18.0f}"
-            f"  {busy}; machine {m.machine_busy_s / m.cpu.wall_s:.2f}"
+            f"  {busy}; machine {m.machine_busy_s / m.cpu.wall_s:.2f}{note}"
         )
 
 
