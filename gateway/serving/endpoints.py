@@ -59,6 +59,7 @@ from gateway.serving.delivery import (
     unless_disconnected,
 )
 from gateway.serving.embeddings import collect_embeddings, embedding_inputs, input_token_ids
+from gateway.serving.off_loop import tokenizing
 from gateway.serving.tool_choice import opens_reasoning, plan_tools
 from gateway.state import GatewayState
 from shared.errors import GatewayDraining
@@ -139,8 +140,14 @@ async def plan_chat(
     tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
     rendering = translate.chat_rendering(body)
-    prompt = await asyncio.to_thread(
-        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools, rendering
+    prompt = await tokenizing(
+        limits.chat_chars(body),
+        translate.chat_prompt,
+        body,
+        model,
+        len(parts),
+        tool_plan.template_tools,
+        rendering,
     )
     tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))
@@ -157,7 +164,8 @@ async def plan_completion(
     model = await _admit(state, body, ModelKind.GENERATE, headers.principal)
     deadline, idempotency_key = _resolve(headers, state)
     limits.check_jobs(len(translate.prompt_list(body)) * body.n, state.settings, "n")
-    prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
+    chars = sum(len(prompt) for prompt in translate.prompt_list(body))
+    prompts = await tokenizing(chars, translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     work = Generation(tuple(choices), (), body.n)
     plan = _plan("cmpl", model, work, deadline, idempotency_key, headers.principal)
