@@ -140,14 +140,8 @@ async def plan_chat(
     tool_plan = plan_tools(body, model)
     parts = state.images.parts(body, model)
     rendering = translate.chat_rendering(body)
-    prompt = await tokenizing(
-        limits.chat_chars(body),
-        translate.chat_prompt,
-        body,
-        model,
-        len(parts),
-        tool_plan.template_tools,
-        rendering,
+    prompt = await asyncio.to_thread(
+        translate.chat_prompt, body, model, len(parts), tool_plan.template_tools, rendering
     )
     tool_plan = tool_plan.opening_reasoning(opens_reasoning(prompt, model))
     choices = translate.choices(body, [prompt], model, logprobs=translate.chat_logprobs(body))

@@ -70,11 +70,10 @@ def check_chat(
             param="messages",
         )
     check_jobs(request.n, settings, "n")
-    check_text_fits(chat_chars(request), model, "messages")
+    check_text_fits(_chat_chars(request), model, "messages")
 
 
-def chat_chars(request: ChatCompletionRequest) -> int:
-    """Characters of text in the messages (names included; images count none)."""
+def _chat_chars(request: ChatCompletionRequest) -> int:
     total = 0
     for message in request.messages:
         total += len(message.name or "")
