@@ -71,6 +71,17 @@ def process_tree(root: int) -> dict[int, int]:
     return {pid: procs[pid].pgid for pid in _tree(root, procs)}
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and its living descendants."""
+    procs = _all_procs()
+    return sum(procs[pid].cpu_s for pid in _tree(root, procs))
+
+
+def machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (all cores)."""
+    return _machine_busy_s()
+
+
 def _machine_busy_s() -> float:
     parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     values = [int(v) for v in parts]

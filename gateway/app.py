@@ -37,6 +37,7 @@ from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
 from shared.connections.url import shown_url
+from shared.heap import freeze_startup_heap
 from shared.images import ImageLimits
 from shared.queue import names
 from shared.queue.media_store import ImageStore
@@ -72,6 +73,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             cell.adapters.republish = control.lora.publish
             tasks += cell.tasks(state.gateway_id, settings.gateway_liveness_ttl_s)
         log.info("gateway %s serving %s", state.gateway_id, [m.name for m in state.catalog.all()])
+        freeze_startup_heap()
         try:
             yield
         finally:

@@ -16,6 +16,7 @@ from typing import NoReturn
 import uvloop
 
 from shared.connections.connect import connect
+from shared.heap import freeze_startup_heap
 from shared.roles import Role
 from shared.settings import EngineKind, Settings
 from shared.tracing.tracer import build_tracer
@@ -85,6 +86,7 @@ async def serve(settings: Settings) -> int:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.stop)
+    freeze_startup_heap()
     try:
         await runtime.run()
     finally:
@@ -103,9 +105,9 @@ def run_worker(settings: Settings) -> NoReturn:
 
 def _exit_now(code: int) -> NoReturn:
     """Exit as the interpreter would, less its finalization: the full garbage collection of
-    a heap holding torch and vLLM takes seconds (gc.freeze() would skip it, but then
-    nanobind lists every Triton object it finds alive at exit). The exit handlers still
-    run: logging flushes, multiprocessing releases its semaphores."""
+    a heap holding torch and vLLM takes seconds, and nanobind lists every Triton object it
+    finds alive at exit (the start-up heap is frozen, see shared/heap.py). The exit
+    handlers still run: logging flushes, multiprocessing releases its semaphores."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

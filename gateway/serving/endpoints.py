@@ -70,6 +70,7 @@ from gateway.serving.delivery import (
     unless_disconnected,
 )
 from gateway.serving.embeddings import collect_embeddings, embedding_inputs, input_token_ids
+from gateway.serving.off_loop import tokenizing
 from gateway.serving.tool_choice import opens_reasoning, plan_tools
 from gateway.state import GatewayState
 from shared.errors import GatewayDraining, RemoteError
@@ -222,7 +223,8 @@ async def completion_choices(
     body: CompletionRequest, model: ServedModel
 ) -> tuple[tuple[ChoiceSpec, ...], dict[int, Echo] | None]:
     """The request's choices (tokenized), and with ``echo`` each one's prompt written back."""
-    prompts = await asyncio.to_thread(translate.completion_prompts, body, model)
+    chars = sum(len(prompt) for prompt in translate.prompt_list(body))
+    prompts = await tokenizing(chars, translate.completion_prompts, body, model)
     choices = translate.choices(body, prompts, model, logprobs=body.logprobs)
     echo = None
     if body.echo:
