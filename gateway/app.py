@@ -177,7 +177,13 @@ def build_state(
         return placement.placer
 
     cells = build_cells(
-        settings, model_redis, catalog, gateway_id, metrics.observe_usage, placer_for
+        settings,
+        model_redis,
+        catalog,
+        gateway_id,
+        metrics.observe_usage,
+        placer_for,
+        on_refused=metrics.observe_refusal,
     )
     for cell in cells.all():
         cell.placement = placements.get(id(cell.redis))

@@ -162,6 +162,16 @@ def build_worker(
         jobs=jobs,
         admin=parts.admin,
     )
+    reclaimer = Reclaimer(
+        queue=queue,
+        registry=registry,
+        streams=streams,
+        worker_id=worker_id,
+        claim_idle_s=policy.claim_idle_s,
+        start=consumer.start_all,
+        in_hand=lambda: jobs.entries_in_hand() | journal.entries_unwritten(),
+        placed=own_streams,
+    )
     status = WorkerStatus(
         worker_id=worker_id,
         role=role,
@@ -171,6 +181,7 @@ def build_worker(
         canary=canary,
         adapters=adapters,
         placement=consumer,
+        reclaims=lambda: reclaimer.reclaims,
     )
     thread = (
         None
@@ -188,16 +199,7 @@ def build_worker(
         jobs=jobs,
         lifecycle=lifecycle,
         journal=journal,
-        reclaimer=Reclaimer(
-            queue=queue,
-            registry=registry,
-            streams=streams,
-            worker_id=worker_id,
-            claim_idle_s=policy.claim_idle_s,
-            start=consumer.start_all,
-            in_hand=lambda: jobs.entries_in_hand() | journal.entries_unwritten(),
-            placed=own_streams,
-        ),
+        reclaimer=reclaimer,
         gateways=gateways,
         stalled=stall_check(thread, policy.heartbeat_ttl_s, timing.janitor_s),
         timing=JanitorTiming(timing.janitor_s, timing.orphan_check_s, policy.heartbeat_ttl_s),

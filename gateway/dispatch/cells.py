@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from gateway.catalog.lora_watch import LoraWatch
 from gateway.catalog.served_models import ModelCatalog
 from gateway.dispatch.dispatcher import AdmissionPolicy, Dispatcher
+from gateway.dispatch.refusal import Refusal
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_tally import RequestTally
 from gateway.dispatch.worker_directory import WorkerDirectory
@@ -138,6 +139,7 @@ def build_cells(
     gateway_id: str,
     on_usage: Callable[[UsageRecord, RequestTally], None],
     placer_for: Callable[[aioredis.Redis], Placer | None] = lambda redis: None,
+    on_refused: Callable[[Refusal], None] = lambda refusal: None,
 ) -> RedisCells:
     """One cell per distinct Redis of ``models``; the home one keeps the control plane.
     ``placer_for``: each cell's placer (None: placement off)."""
@@ -147,7 +149,8 @@ def build_cells(
             return models.url_of(base) == url
 
         placer = placer_for(redis)
-        return _cell(settings, redis, catalog, gateway_id, on_usage, owns, name, placer)
+        hooks = DispatchHooks(on_usage, on_refused)
+        return _cell(settings, redis, catalog, gateway_id, hooks, owns, name, placer)
 
     home = build(models.home_url, models.home, "home")
     others = {
@@ -158,12 +161,20 @@ def build_cells(
     return RedisCells(home, others, models)
 
 
+@dataclass(frozen=True, slots=True)
+class DispatchHooks:
+    """What each cell's dispatcher reports to the gateway's metrics."""
+
+    on_usage: Callable[[UsageRecord, RequestTally], None]
+    on_refused: Callable[[Refusal], None]
+
+
 def _cell(
     settings: GatewaySettings,
     redis: aioredis.Redis,
     catalog: ModelCatalog,
     gateway_id: str,
-    on_usage: Callable[[UsageRecord, RequestTally], None],
+    hooks: DispatchHooks,
     owns: Callable[[str], bool],
     name: str,
     placer: Placer | None,
@@ -176,7 +187,14 @@ def _cell(
     images = ImageStore(redis, max_stored_bytes=settings.image_store_max_bytes)
     policy = AdmissionPolicy.from_settings(settings)
     dispatcher = Dispatcher(
-        redis, router, directory, policy, images=images, on_usage=on_usage, placer=placer
+        redis,
+        router,
+        directory,
+        policy,
+        images=images,
+        on_usage=hooks.on_usage,
+        placer=placer,
+        on_refused=hooks.on_refused,
     )
     router.on_reconnect = dispatcher.lost.requeue_lost
     return Cell(

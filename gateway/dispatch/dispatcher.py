@@ -28,6 +28,7 @@ from gateway.dispatch.drain_rate import DrainMeter
 from gateway.dispatch.lost_admissions import Admitted, LostAdmissions
 from gateway.dispatch.plan import AnyPlan, Deadline, Embedding, Generation, Resume
 from gateway.dispatch.queue_watch import QueueBoard
+from gateway.dispatch.refusal import Refusal, refusal_reason
 from gateway.dispatch.reply_router import ReplyRouter
 from gateway.dispatch.request_accounting import RequestAccounting
 from gateway.dispatch.request_follow import follow
@@ -95,8 +96,10 @@ class Dispatcher:
         images: ImageStore | None = None,
         on_usage: Callable[[UsageRecord, RequestTally], None] = lambda record, tally: None,
         placer: Placer | None = None,
+        on_refused: Callable[[Refusal], None] = lambda refusal: None,
     ) -> None:
         self._redis = redis
+        self._on_refused = on_refused
         self._placer = placer
         """Where prefill and aggregated jobs wait (None: placement off, all shared)."""
         self._by_load = LoadPlacer()
@@ -145,16 +148,21 @@ class Dispatcher:
             retry_on=(RedisConnectionError, RedisTimeoutError),
         )
 
-    async def check_limits(self, key_id: str | None, limits: Limits) -> None:
+    async def check_limits(self, key_id: str | None, limits: Limits, model: str) -> None:
         """Refuse a key already over its limits (the 429 admission would give) in one
         read, before any work is spent on its request; admission still counts the exact
         charge atomically. A Redis error here leaves the decision to admission."""
         if key_id is None or not limits.any():
             return
         try:
-            await self._limit_counters.precheck(key_id, limits, time.time())
+            over = await self._limit_counters.over(key_id, limits, time.time())
         except RedisError as exc:
             log.warning("could not pre-check the limits of key %s: %s", key_id, exc)
+            return
+        if over is not None:
+            kind, usage = over
+            self._on_refused(Refusal(model, "limited", key_id, kind.value))
+            raise key_limit_error(usage, kind)
 
     async def submit(self, plan: AnyPlan) -> RequestHandle:
         """Queue the plan's jobs (all or none) and return the handle of their events;
@@ -170,8 +178,11 @@ class Dispatcher:
                 stream, role, jobs = self._generate_jobs(plan, work)
                 placement = self._place(plan, work, role)
             return await self._enqueue(stream, jobs, plan, placement)
-        except BaseException:
+        except BaseException as exc:
             self.release_images(plan)
+            reason = refusal_reason(exc)
+            if reason is not None:
+                self._on_refused(Refusal(plan.model, reason))
             raise
 
     def release_images(self, plan: AnyPlan) -> None:
@@ -339,7 +350,9 @@ class Dispatcher:
         headers = result.usage.headers() if result.usage is not None else {}
         if result.outcome is not Admission.QUEUED:
             if result.outcome is Admission.LIMITED and result.usage is not None:
-                raise key_limit_error(result.usage, LimitKind(result.detail))
+                kind = LimitKind(result.detail)
+                self._on_refused(Refusal(plan.model, "limited", plan.key_id, kind.value))
+                raise key_limit_error(result.usage, kind)
             retry_after = 1
             if result.outcome is Admission.FULL:
                 excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth

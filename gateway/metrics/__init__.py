@@ -7,9 +7,12 @@ in one registry per app (never the process-global one). Conveyor's are of two ki
   (:class:`RequestMetrics`, an ASGI middleware), and per finished request its time
   to first token, end-to-end latency and tokens (:meth:`GatewayMetrics.observe_usage`,
   from the usage record the dispatcher writes);
+- counted where admission refuses a request: refusals by reason, and per API key
+  which limit ran out (:meth:`GatewayMetrics.observe_refusal`);
 - read at scrape time (:meth:`GatewayMetrics.refresh`): job-queue depth per stream,
-  live workers per role, the ledger's backlog and lag, the API-key cache and the
-  requests this gateway holds open.
+  backlog and oldest job per (model, role), live workers per role, the ledger's
+  backlog and lag, the API-key cache and the requests this gateway holds open;
+  per-worker figures from the heartbeats (gateway/metrics/workers.py).
 
 Placement (gateway/placement/) counts each decision by reason and the prompt blocks
 cached where the job went (:class:`~gateway.metrics.placement.PlacementMetrics`).
@@ -25,9 +28,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.dispatch.refusal import Refusal
 from gateway.dispatch.request_tally import RequestTally
 from gateway.metrics.placement import PlacementMetrics
 from gateway.metrics.vllm import DEFAULT_MAX_MODEL_LEN, ClientMetrics, EngineCollector
+from gateway.metrics.workers import WorkerCollector
 from shared.queue import names
 from shared.queue.job_queue import JobQueue
 from shared.queue.usage import UsageRecord
@@ -91,7 +96,22 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self._scraped = _ScrapeGauges(r, self.engines)
+        self.refused = Counter(
+            "conveyor_admissions_refused",
+            "Requests refused at admission, by reason: full (queue), limited (an API key's "
+            "limit), duplicate (Idempotency-Key), no_worker, unavailable (Redis), draining.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.key_refusals = Counter(
+            "conveyor_key_limit_refusals",
+            "Requests refused for an API key's limit (requests, tokens, concurrency, budget).",
+            ["key_id", "limit"],
+            registry=r,
+        )
+        self.fleet = WorkerCollector()
+        r.register(self.fleet)
+        self._scraped = _ScrapeGauges(r, self.engines, self.fleet)
 
     def observe_usage(self, record: UsageRecord, tally: RequestTally) -> None:
         """One finished request (its usage record, as the ledger gets it, and its tally)."""
@@ -110,6 +130,11 @@ class GatewayMetrics:
         if tally.migrations:
             self.migrations.labels(model).inc(tally.migrations)
 
+    def observe_refusal(self, refusal: Refusal) -> None:
+        self.refused.labels(refusal.model, refusal.reason).inc()
+        if refusal.key_id is not None and refusal.limit is not None:
+            self.key_refusals.labels(refusal.key_id, refusal.limit).inc()
+
     async def refresh(self, state: GatewayState) -> None:
         await self._scraped.refresh(state)
 
@@ -120,10 +145,26 @@ class GatewayMetrics:
 class _ScrapeGauges:
     """Gauges read from the gateway's state and Redis at every scrape."""
 
-    def __init__(self, r: CollectorRegistry, engines: EngineCollector) -> None:
+    def __init__(
+        self, r: CollectorRegistry, engines: EngineCollector, fleet: WorkerCollector
+    ) -> None:
         self._engines = engines
+        self._fleet = fleet
         self.queue_depth = Gauge(
             "conveyor_queue_depth", "Jobs queued or running per job stream.", ["stream"], registry=r
+        )
+        self.backlog = Gauge(
+            "conveyor_backlog",
+            "Jobs queued or running per model and role (shared and workers' own streams): "
+            "the autoscaling signal.",
+            ["model", "role"],
+            registry=r,
+        )
+        self.oldest_job = Gauge(
+            "conveyor_oldest_job_age_seconds",
+            "Age of the oldest job queued or running per model and role (0: none).",
+            ["model", "role"],
+            registry=r,
         )
         self.workers = Gauge(
             "conveyor_live_workers",
@@ -174,6 +215,8 @@ class _ScrapeGauges:
         self.workers.clear()
         self.workers_by_state.clear()
         self.queue_depth.clear()
+        self.backlog.clear()
+        self.oldest_job.clear()
         self.dead_letters.clear()
         live = []
         for cell in state.cells.all():
@@ -181,6 +224,7 @@ class _ScrapeGauges:
             live.extend(workers)
             await self._queues_and_workers(cell.redis, workers)
         self._engines.set_workers(live)
+        self._fleet.set_workers(live)
         control = state.control
         if control is None:
             return
@@ -206,7 +250,8 @@ class _ScrapeGauges:
         states = Tally((w.model, w.role.value, worker_state(w)) for w in live)
         for (model, role, state), count in states.items():
             self.workers_by_state.labels(model, role, state).set(count)
-        streams = sorted({names.job_stream(w.model, w.role) for w in live})
+        pools = {names.job_stream(w.model, w.role): (w.model, w.role.value) for w in live}
+        streams = sorted(pools)
         queue = JobQueue(redis)
         dead: list[Any] = []
         if streams:
@@ -216,7 +261,12 @@ class _ScrapeGauges:
                 dead = await pipe.execute()
         for stream, dead_letters in zip(streams, dead, strict=True):
             # the shared stream and the workers' own ones (placement)
-            self.queue_depth.labels(stream).set(await queue.depth(stream))
+            depth = await queue.depth(stream)
+            self.queue_depth.labels(stream).set(depth)
+            self.backlog.labels(*pools[stream]).set(depth)
+            oldest_ms = await queue.oldest_entry_ms(stream) if depth else None
+            age_s = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
+            self.oldest_job.labels(*pools[stream]).set(age_s)
             self.dead_letters.labels(stream).set(int(dead_letters))
 
 
@@ -256,11 +306,12 @@ class RequestMetrics:
             metrics = getattr(state, "metrics", None)
             if isinstance(metrics, GatewayMetrics):
                 route = getattr(scope.get("route"), "path", "unmatched")
-                model = _model_label(state, scope.get("state", {}).get("model"))
+                model = model_label(state, scope.get("state", {}).get("model"))
                 metrics.requests.labels(route, model, str(status)).inc()
 
 
-def _model_label(state: Any, model: object) -> str:
+def model_label(state: Any, model: object) -> str:
+    """A requested model as a label: a served model's name, ``unknown``, or empty."""
     if not isinstance(model, str):
         return ""
     served = {m.name for m in state.catalog.all()}

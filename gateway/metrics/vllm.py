@@ -156,12 +156,6 @@ class EngineCollector(Collector):
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             labels=WORKER,
         )  # fmt: skip
-        steals = CounterMetricFamily(
-            "conveyor_worker_steals",
-            "Jobs placed on another worker that this one took after they waited longer than "
-            "CONVEYOR_PLACEMENT_STEAL_MS (cache-aware placement yielding to load).",
-            labels=WORKER,
-        )
         for worker in self._workers:
             stats = worker.engine_stats
             assert stats is not None
@@ -173,8 +167,7 @@ class EngineCollector(Collector):
             hits.add_metric(labels, stats.prefix_cache_hits)
             preemptions.add_metric(labels, stats.preemptions)
             steps.add_metric(labels, _cumulative(stats), stats.iteration_tokens_sum)
-            steals.add_metric(labels, worker.steals)
-        yield from (running, waiting, kv, queries, hits, preemptions, steps, steals)
+        yield from (running, waiting, kv, queries, hits, preemptions, steps)
 
 
 def _cumulative(stats: EngineStats) -> list[tuple[str, float]]:

@@ -50,8 +50,10 @@ from gateway.dispatch.plan import (
     W,
 )
 from gateway.dispatch.queue_watch import QueueWatch
+from gateway.dispatch.refusal import Refusal
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_tally import reserved_tokens
+from gateway.metrics import model_label
 from gateway.metrics.request_trace import RequestTrace
 from gateway.openai.logprob_rows import Echo
 from gateway.openai.output_parsing import OutputParser
@@ -250,13 +252,14 @@ async def _admit(
     principal: Principal,
 ) -> ServedModel:
     if state.draining:
+        state.metrics.observe_refusal(Refusal(model_label(state, body.model), "draining"))
         raise GatewayDraining("this gateway is shutting down; retry", retry_after_s=1)
     state.unknown_fields.note(body)
     model = state.catalog.get(body.model, principal.models).require(kind)
     if isinstance(body, SamplingFields):
         translate.refuse_unsupported(body, model)
     dispatcher = state.cells.for_model(model.base).dispatcher
-    await dispatcher.check_limits(principal.key_id, principal.limits)
+    await dispatcher.check_limits(principal.key_id, principal.limits, model.name)
     return model
 
 

@@ -435,3 +435,15 @@ class JobQueue:
             for member in sorted(members):
                 pipe.xlen(names.worker_job_stream(stream, as_text(member)))
             return sum(int(n) for n in await pipe.execute())
+
+    async def oldest_entry_ms(self, stream: str) -> int | None:
+        """When the oldest job queued or running in the pool of ``stream`` was added (ms,
+        its entry id's time; None when there is none)."""
+        members = await self._redis.smembers(names.placed_workers(stream))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(stream, count=1)
+            for member in sorted(members):
+                pipe.xrange(names.worker_job_stream(stream, as_text(member)), count=1)
+            firsts = await pipe.execute()
+        times = [int(as_text(entries[0][0]).split("-")[0]) for entries in firsts if entries]
+        return min(times, default=None)

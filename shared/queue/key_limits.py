@@ -266,11 +266,19 @@ class KeyLimitCounters:
     async def precheck(self, key_id: str, limits: Limits, now_unix: float) -> None:
         """Raise the 429 admission would give if the key is over a limit even for the
         cheapest request (one token): one round trip, nothing counted."""
+        over = await self.over(key_id, limits, now_unix)
+        if over is not None:
+            raise key_limit_error(over[1], over[0])
+
+    async def over(
+        self, key_id: str, limits: Limits, now_unix: float
+    ) -> tuple[LimitKind, LimitUsage] | None:
+        """The limit the key is over even for the cheapest request (one token), and its
+        usage; None when it is under all of them."""
         charge = LimitCharge(key_id, limits, "", 1, now_unix)
         over, counts = await self._precheck(keys=charge.keys(), args=charge.args())
         kind = over.decode() if isinstance(over, bytes) else str(over)
-        if kind:
-            raise key_limit_error(usage_from_reply(charge, counts), LimitKind(kind))
+        return (LimitKind(kind), usage_from_reply(charge, counts)) if kind else None
 
     async def settle(self, charge: LimitCharge, used_tokens: int) -> None:
         """The request ended having used ``used_tokens``: give the rest back, free its slot."""

@@ -78,6 +78,8 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
     steals: int = 0
     """Jobs it took from other workers' own streams since it started (placement reason
     ``steal``)."""
+    reclaims: int = 0
+    """Jobs it took over from dead (or stale) owners and ran again, since it started."""
     reported_ms: int = 0
     """When this entry was written (wall clock, ms): a newer one is a newer report."""
 

@@ -3,13 +3,17 @@ tokens, queue depth and live workers (the real app in process, fake workers)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.engine_stats import EngineStats
+from shared.errors import KeyRateLimited
 from shared.protocol import Event, FinishEvent, Job
+from shared.queue.key_limits import Limits
 from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
 from tests.gateway.fake_worker import echo
@@ -189,3 +193,72 @@ async def test_workers_by_state_dead_letters_and_migrations(gateway: LiveGateway
     stream = "conveyor:jobs:tiny:aggregated"
     assert value(samples, "conveyor_dead_letters", stream=stream) == 1
     assert value(samples, "conveyor_migrations_total", model="tiny") == 1
+
+
+async def test_admissions_refused_by_reason_and_key_limit_refusals(gateway: LiveGateway) -> None:
+    headers = {"Idempotency-Key": "once"}
+    assert (await gateway.client.post(CHAT, json=BODIES[CHAT], headers=headers)).status_code == 200
+    error_of(await gateway.client.post(CHAT, json=BODIES[CHAT], headers=headers), 409)
+    gateway.state.draining = True
+    error_of(await gateway.client.post(CHAT, json=BODIES[CHAT]), 503)
+    gateway.state.draining = False
+    dispatcher = gateway.state.cells.for_model("tiny").dispatcher
+    with pytest.raises(KeyRateLimited):  # over its limit even for the cheapest request
+        await dispatcher.check_limits("key-a", Limits(rpm=0), "tiny")
+    samples = await scrape(gateway)
+    refused = "conveyor_admissions_refused_total"
+    assert value(samples, refused, model="tiny", reason="duplicate") == 1
+    assert value(samples, refused, model="tiny", reason="draining") == 1
+    assert value(samples, refused, model="tiny", reason="limited") == 1
+    limit = {"key_id": "key-a", "limit": "requests"}
+    assert value(samples, "conveyor_key_limit_refusals_total", **limit) == 1
+
+
+async def test_backlog_and_oldest_job_per_model_and_role(gateway: LiveGateway) -> None:
+    """Jobs waiting on a pool no worker reads (a prefill worker that has not read yet)."""
+    cell = gateway.state.cells.for_model("tiny")
+    await WorkerRegistry(cell.redis, ttl_s=60).beat(
+        WorkerRegistration(
+            worker_id="w-prefill", role=Role.PREFILL, model="tiny", max_model_len=2048,
+            active=0, slots=8,
+        )
+    )  # fmt: skip
+    await cell.directory.refresh()
+    added_ms = int(time.time() * 1000) - 5_000
+    for n in range(2):
+        await cell.redis.xadd("conveyor:jobs:tiny:prefill", {"job": b"x"}, id=f"{added_ms}-{n}")
+    samples = await scrape(gateway)
+    prefill = {"model": "tiny", "role": "prefill"}
+    assert value(samples, "conveyor_backlog", **prefill) == 2
+    assert value(samples, "conveyor_oldest_job_age_seconds", **prefill) >= 5
+    aggregated = {"model": "tiny", "role": "aggregated"}
+    assert ("conveyor_backlog", frozenset(aggregated.items())) in samples
+    assert value(samples, "conveyor_oldest_job_age_seconds", **aggregated) == 0
+
+
+async def test_per_worker_figures_come_from_the_heartbeats(gateway: LiveGateway) -> None:
+    """Steals, reclaims, KV transfers (P/D) and the embedding cache, per worker."""
+    cell = gateway.state.cells.for_model("tiny")
+    registry = WorkerRegistry(cell.redis, ttl_s=60)
+    cache = {"hits": 3, "misses": 2, "evictions": 1, "entries": 4, "bytes": 4096}
+    await registry.beat(
+        WorkerRegistration(
+            worker_id="w-decode", role=Role.DECODE, model="tiny", max_model_len=2048,
+            active=0, slots=8, steals=2, reclaims=3, kv_transfers=5, kv_transfer_s=0.25,
+            prompt_tokens_transferred=640, embedding_cache=cache,
+        )
+    )  # fmt: skip
+    await cell.directory.refresh()
+    samples = await scrape(gateway)
+    labels = {"model_name": "tiny", "worker": "w-decode"}
+    assert value(samples, "conveyor_worker_steals_total", **labels) == 2
+    assert value(samples, "conveyor_worker_reclaims_total", **labels) == 3
+    assert value(samples, "conveyor_kv_transfers_total", **labels) == 5
+    assert value(samples, "conveyor_kv_transfer_seconds_total", **labels) == 0.25
+    assert value(samples, "conveyor_prompt_tokens_transferred_total", **labels) == 640
+    assert value(samples, "conveyor_embedding_cache_hits_total", **labels) == 3
+    assert value(samples, "conveyor_embedding_cache_misses_total", **labels) == 2
+    assert value(samples, "conveyor_embedding_cache_bytes", **labels) == 4096
+    # Workers with no embedding cache (the harness's) have no cache series.
+    hits = [key for key in samples if key[0] == "conveyor_embedding_cache_hits_total"]
+    assert [dict(labels)["worker"] for _, labels in hits] == ["w-decode"]

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from shared.protocol import ErrorEvent, FinishEvent, GenerateJob, TokenEvent, decode
 from shared.queue import names
+from shared.queue.liveness import WorkerRegistry
 from tests.conftest import RedisTarget
 from tests.unit.finish_events import unstamped
 from tests.unit.worker_harness import (
@@ -26,6 +27,7 @@ from tests.unit.worker_harness import (
     with_sampling,
     worker,
 )
+from tests.waiting import eventually
 
 # ----------------------------------------------------------------- gone clients, deadline
 
@@ -92,6 +94,7 @@ async def test_reclaimed_job_resumes_after_the_tokens_already_sent(
     ) as w:
         events = await w.final_events("r1")
         await w.drained()
+        await reported_reclaims(w.redis, 1)
 
     [(job_id, prompt, sampling)] = engine.requests
     assert job_id == "r1/0"
@@ -102,6 +105,16 @@ async def test_reclaimed_job_resumes_after_the_tokens_already_sent(
     assert [e.seq for e in events] == list(range(7))
     assert [e.attempt for e in events] == [0, 0, 1, 1, 1, 1, 1]
     assert unstamped(events[-1]) == FinishEvent("r1", 0, 6, 1, "stop", 3, 7)
+
+
+async def reported_reclaims(redis: aioredis.Redis, count: int) -> None:
+    """The worker's heartbeat reports the jobs it reclaimed (conveyor_worker_reclaims)."""
+    registry = WorkerRegistry(redis, ttl_s=60)
+
+    async def reported() -> bool:
+        return any(w.reclaims == count for w in await registry.live_workers())
+
+    await eventually(reported, what=f"{count} reclaim(s) in the heartbeat")
 
 
 async def test_resumed_job_with_no_room_left_finishes_with_length(

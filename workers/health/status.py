@@ -66,6 +66,7 @@ class WorkerStatus:
         canary: Canary,
         adapters: LoraReport | None = None,
         placement: PlacementReport | None = None,
+        reclaims: Callable[[], int] = lambda: 0,
     ) -> None:
         self._worker_id = worker_id
         self._role = role
@@ -75,6 +76,7 @@ class WorkerStatus:
         self._canary = canary
         self._adapters = adapters
         self._placement = placement
+        self._reclaims = reclaims
 
     def __call__(self) -> WorkerRegistration:
         engine = self._parts.engine
@@ -111,6 +113,7 @@ class WorkerStatus:
             queued_prefill_tokens=self._jobs.queued_prefill_tokens(),
             reads_placed=placement is not None and placement.reads_placed,
             steals=0 if placement is None else placement.steals,
+            reclaims=self._reclaims(),
             reported_ms=int(time.time() * 1000),
         )
 

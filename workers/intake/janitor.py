@@ -100,6 +100,8 @@ class Reclaimer:
         """Entry ids of the jobs this worker starts, runs, or has writes queued for."""
         self._suspects: dict[str, dict[str, float]] = {}
         """Per stream: own entries found idle and not in hand, and since when."""
+        self.reclaims = 0
+        """Jobs taken over from dead owners (and by the safety net) since start."""
         self._own_pending: dict[JobStream, bool] = {}
         """Per pool: whether this worker's own stream had pending entries at the last
         sweep (checked when unknown): only then is it looked at entry by entry."""
@@ -175,6 +177,7 @@ class Reclaimer:
                     sorted(dead),
                     stream.name,
                 )
+                self.reclaims += len(deliveries)
                 await self._start(deliveries)
                 continue
             await self._safety_net(stream, free)
@@ -242,6 +245,7 @@ class Reclaimer:
                 stream.name,
                 STALE_ENTRY_MS // 1000,
             )
+            self.reclaims += len(stale)
             await self._start(stale)
 
     async def _dead_consumers(self, stream: JobStream) -> set[str]:
