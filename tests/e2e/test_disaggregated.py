@@ -408,9 +408,17 @@ def _pending_by(running: Running, role: str) -> dict[str, int]:
     from shared.queue import names
 
     client = redis.Redis.from_url(running.stack.redis_url)
+    pending: dict[str, int] = {}
     try:
-        summary = client.xpending(names.job_stream(PD_MODEL, role), names.JOB_GROUP)
-        return {as_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        stream = names.job_stream(PD_MODEL, role)
+        # the shared stream and, with placement, every worker's own one
+        for key in [stream, *client.scan_iter(names.worker_job_stream(stream, "*"))]:
+            if not client.exists(key):
+                continue
+            for c in client.xpending(key, names.JOB_GROUP).get("consumers") or []:
+                name = as_text(c["name"])
+                pending[name] = pending.get(name, 0) + int(c["pending"])
+        return pending
     finally:
         client.close()
 
