@@ -5,9 +5,9 @@ For each candidate, Dynamo's default cost form::
     cost = prefill_weight x (prompt blocks it does not hold + its queued prefill, in blocks)
          + decode_weight x (sequences it runs)
 
-lowest wins (ties: the least loaded, then at random). A worker over the busy threshold
-(jobs waiting to start, or KV cache use) is never chosen, so affinity always yields to
-load; with every candidate busy the job goes to the shared stream, where whichever
+lowest wins (ties: the least loaded, then at random). A busy worker (no free slot, too
+many jobs waiting to start, or its KV cache nearly full) is never chosen, so affinity
+always yields to load; with every candidate busy the job goes to the shared stream, where whichever
 worker frees up first takes it. A request's ``prompt_cache_key`` (OpenAI's field) is an
 affinity hint: when the index knows none of the prompt, the job goes to the worker that
 last took that key, if it is not busy. An adapter's job only goes to workers that have
@@ -50,6 +50,15 @@ class CostPolicy:
     """A worker holding this many jobs not started yet is busy."""
     busy_kv_usage: float = 0.95
     """A worker whose KV cache is this full is busy."""
+
+    def busy(self, candidate: Candidate) -> bool:
+        """A job placed here would wait behind others (or preempt): skip the worker. With no
+        free slot the job could only wait in the worker's stream until stolen."""
+        return (
+            candidate.free_slots <= 0
+            or candidate.waiting >= self.busy_waiting
+            or candidate.kv_usage >= self.busy_kv_usage
+        )
 
     @classmethod
     def from_settings(cls, settings: PlacementSettings) -> CostPolicy:
@@ -99,14 +108,11 @@ class CachePlacer:
         return placement
 
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
-        busy_waiting, busy_kv = self.policy.busy_waiting, self.policy.busy_kv_usage
         lora = request.lora
         free = [  # may run it, and not busy
             c
             for c in candidates
-            if (lora is None or lora in c.adapters)
-            and c.waiting < busy_waiting
-            and c.kv_usage < busy_kv
+            if (lora is None or lora in c.adapters) and not self.policy.busy(c)
         ]
         if not free:
             return Placement(None, PlacementReason.SHARED)

@@ -59,8 +59,9 @@ def candidate(
     kv: float = 0.1,
     queued: int = 0,
     adapters: frozenset[str] = frozenset(),
+    free_slots: int = 8,
 ) -> Candidate:
-    return Candidate(worker_id, running, waiting, 8, kv, queued, adapters)
+    return Candidate(worker_id, running, waiting, free_slots, kv, queued, adapters)
 
 
 def request(
@@ -318,6 +319,16 @@ def test_busy_worker_skipped() -> None:
     assert full.worker_id == "w1"
     none = placer(index).place(request(tokens(17)), [candidate("w2", waiting=5)])
     assert (none.worker_id, none.reason) == (None, PlacementReason.SHARED)
+
+
+def test_worker_without_a_free_slot_skipped() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    cands = [candidate("w1", running=8), candidate("w2", running=8, free_slots=0)]
+    chosen = placer(index).place(request(tokens(17)), cands)
+    assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
+    alone = placer(index).place(request(tokens(17)), cands[1:])
+    assert (alone.worker_id, alone.reason) == (None, PlacementReason.SHARED)
 
 
 def test_cache_key_affinity() -> None:
