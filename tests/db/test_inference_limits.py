@@ -194,7 +194,14 @@ async def test_a_batch_is_charged_per_conversation(gateway: LiveGateway) -> None
     refused = await gateway.client.post(batch, json=body, headers=bearer(secret))
     assert error_of(refused, 429)["code"] == "rate_limit_exceeded"
 
+    batch_id = answered.headers["x-request-id"]
+
     async def two_rows() -> bool:
-        return len(await usage_rows(gateway)) == 2
+        # in the usage stream until the ledger consumer has moved them to SQL
+        streamed = [row.request_id for row in await usage_rows(gateway)]
+        listed = await gateway.client.get("/admin/usage", headers=bearer(_admin()))
+        stored = [row["request_id"] for row in listed.json().get("data", [])]
+        ours = sorted(r for r in {*streamed, *stored} if r.startswith(batch_id))
+        return ours == [f"{batch_id}_0", f"{batch_id}_1"]
 
     await eventually(two_rows, what="one usage row per conversation")
