@@ -317,7 +317,12 @@ def wait_for_spans(otlp: OtlpReceiver, runs: int) -> list[ReceivedSpan]:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         spans = otlp.trace(CLIENT_TRACE)
-        if sum(span.name == "aggregated run" for span in spans) >= runs:
+        served = any(  # each process exports in its own batches: wait for the gateway's too
+            span.name == "POST /v1/chat/completions"
+            and span.attributes.get("http.response.status_code") == 200
+            for span in spans
+        )
+        if served and sum(span.name == "aggregated run" for span in spans) >= runs:
             return spans
         time.sleep(0.1)
     raise AssertionError(f"spans of the trace: {otlp.trace(CLIENT_TRACE)}")
