@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from bench.servers import (
     ManagedServer,
     conveyor_server,
     drop_stale_jobs,
+    interrupt_on_signals,
     kv_transfers,
     limited_key,
     parse_env,
@@ -352,10 +352,6 @@ def _port(url: str) -> int:
     return urlsplit(url).port or 6379
 
 
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.concurrency, args.requests, args.rounds) < 1 or args.input_tokens < 8:
@@ -366,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave and not (args.compare or args.disaggregated or args.variant):
         print("--interleave needs --compare, --disaggregated or --variant", file=sys.stderr)
         return 2
-    # Ctrl-C and SIGTERM both unwind through the finally blocks that stop the servers
-    # (SIGINT explicitly too: a shell starts background jobs with SIGINT ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt_on_signals()
     try:
         return run(args)
     except KeyboardInterrupt:

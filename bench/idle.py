@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from bench.servers import (
     conveyor_server,
     drop_stale_jobs,
     free_port,
+    interrupt_on_signals,
     kv_transfers,
     parse_env,
     running,
@@ -218,10 +218,6 @@ def run_once(args: argparse.Namespace, round_no: int, log_dir: Path) -> dict[str
     return result
 
 
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model: Path = args.model.resolve()
@@ -234,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir: Path = args.log_dir or Path(tempfile.mkdtemp(prefix="conveyor-idle-"))
     # Ctrl-C and SIGTERM both unwind through `running`, which stops the stack (SIGINT
     # explicitly too: a shell starts background jobs with SIGINT ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt_on_signals()
     try:
         results = [run_once(args, number, log_dir) for number in range(args.repeat)]
     except KeyboardInterrupt:

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import math
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -41,7 +40,14 @@ from bench.placement_stack import (
 from bench.placement_stack import fake_kv_blocks as size_kv
 from bench.prompts import PromptFactory
 from bench.report import source_state
-from bench.servers import ManagedServer, drop_stale_jobs, parse_env, running, with_db
+from bench.servers import (
+    ManagedServer,
+    drop_stale_jobs,
+    interrupt_on_signals,
+    parse_env,
+    running,
+    with_db,
+)
 from gateway.catalog.tokenizer import ModelTokenizer
 
 DEFAULT_MODEL = Path("/tmp/conveyor-placement-model")
@@ -300,17 +306,12 @@ def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]
     return lines
 
 
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.turns, args.rounds, args.output_tokens) < 1:
         print("need --turns, --rounds, --output-tokens >= 1", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt_on_signals()
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -289,3 +289,15 @@ def kv_transfers(redis_url: str, served_name: str) -> tuple[int, float]:
         sum(int(w.get("kv_transfers", 0)) for w in decoders),
         sum(float(w.get("kv_transfer_s", 0.0)) for w in decoders),
     )
+
+
+def interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the finally blocks that stop
+    the servers run (SIGINT explicitly too: a shell starts background jobs with SIGINT
+    ignored)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
