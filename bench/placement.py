@@ -27,6 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.chat_load import Message, TurnResult, new_client, run_plan, send_turn
 from bench.conversations import KINDS, Plan, WorkloadSpec, make_plan, words_text
 from bench.placement_report import VariantResult, print_table, summarize, write_json
@@ -185,12 +188,35 @@ def measure_round(bench: Bench, number: int, server: ManagedServer, into: Varian
     )
     summary = summarize(results, took, bench.tokenize, bench.args.block_tokens)
     into.rounds.append(summary)
+    counts = placement_counts(server.base_url)
+    placed = ", ".join(f"{k} {v - into.placed.get(k, 0):.0f}" for k, v in sorted(counts.items()))
+    into.placed = counts
     print(
         f"  {server.name} round {number + 1}/{bench.args.rounds}: {summary.completed}/"
         f"{summary.turns} turns in {took:.1f}s, TTFT p50 {summary.ttft_p50_ms:.0f} ms, "
-        f"cached {summary.cached_ratio:.3f} / ideal {summary.ideal_ratio:.3f}",
+        f"cached {summary.cached_ratio:.3f} / ideal {summary.ideal_ratio:.3f}; "
+        f"placed: {placed or 'nothing counted'}",
         flush=True,
     )
+
+
+def placement_counts(base_url: str) -> dict[str, float]:
+    """The gateway's placements so far by reason, and its workers' steals (from /metrics)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "conveyor_placements_total":
+                key = sample.labels["reason"]
+            elif sample.name == "conveyor_worker_steals_total":
+                key = "steals"
+            else:
+                continue
+            counts[key] = counts.get(key, 0) + sample.value
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,6 +280,7 @@ def measure_group(bench: Bench, group: list[Stack]) -> None:
             wait_for_workers(redis_url, args.served_model_name, args.workers, args.startup_timeout)
         for server, _, into in group:
             warm_up_and_probe(bench, server, into)
+            into.placed = placement_counts(server.base_url)
         for number in range(args.rounds):
             # ABBA order: whichever stack runs second in a round measured slower (it
             # meets the first one's after-load), so each variant goes first in turn

@@ -1,4 +1,5 @@
-"""What cache-aware placement costs the gateway per request: index lookup and scoring.
+"""What cache-aware placement costs the gateway per request: naming the prompt's blocks,
+the index lookup and scoring.
 
     python -m bench.placement_cost                     # 16 workers, 100k blocks of 16 tokens
     python -m bench.placement_cost --block-size 128    # vLLM's CPU block size
@@ -6,26 +7,40 @@
 Fills a prefix index (gateway/placement/prefix_index.py) the way workers' KV events do,
 with multi-turn conversations (a shared ~1k-token tenant prompt plus a history) stored on
 random workers until ``--blocks`` distinct blocks are indexed, then places ``--requests``
-prompts of 1-4k tokens on ``--workers`` candidates with random load: 80 % continue an
-indexed conversation (the lookup walks every cached block), 20 % are unrelated. Prints
-the time of each :meth:`CachePlacer.place` (p50 / p99 / max, µs) and the index's memory
-(tracemalloc). No Redis, no network: one process, one core.
+prompts of 1-4k tokens on ``--workers`` workers with random load: 80 % continue an
+indexed conversation (the lookup walks every cached block), 20 % are unrelated. Each
+request runs what the dispatcher's ``_place`` runs: the placement request, the
+candidates from the gateway's worker directory (gateway/dispatch/worker_directory.py),
+and :meth:`CachePlacer.place` with the gateway's placement metrics. Prints the time of
+the placer alone and of the whole (p50 / p99 / max, µs; wall and CPU) and the index's
+memory (tracemalloc). The heap built before the requests is frozen out of garbage
+collection, as the gateway's start-up heap is (shared/heap.py). No Redis, no network:
+one process, one core.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import time
 import tracemalloc
 from dataclasses import dataclass
+from typing import cast
 
+from prometheus_client import CollectorRegistry
+
+from gateway.dispatch.worker_directory import WorkerDirectory
+from gateway.metrics.placement import PlacementMetrics
 from gateway.placement.cache_placer import CachePlacer
-from gateway.placement.placer import Candidate, PlacementReason, PlacementRequest
+from gateway.placement.placer import PlacementReason, PlacementRequest
 from gateway.placement.prefix_index import PrefixIndex
 from shared.block_hashes import block_names
+from shared.engine_stats import EngineStats
+from shared.heap import freeze_startup_heap
 from shared.queue.kv_events import KvBatch, StoredBlocks
+from shared.queue.liveness import WorkerRegistration, WorkerRegistry
 from shared.roles import Role
 
 MODEL = "bench"
@@ -100,18 +115,37 @@ def prompts(
     return found
 
 
-def candidates(args: argparse.Namespace, rng: random.Random) -> list[Candidate]:
-    return [
-        Candidate(
-            f"worker-{i}",
-            rng.randrange(0, 16),
-            rng.randrange(0, 2),
-            8,
-            rng.random() * 0.8,
-            rng.randrange(0, 4096),
+class Registry:
+    """Stands in for the worker registry in Redis: the workers' reports of one moment."""
+
+    def __init__(self, workers: list[WorkerRegistration]) -> None:
+        self._workers = workers
+
+    async def live_workers(self) -> list[WorkerRegistration]:
+        return self._workers
+
+
+def directory(args: argparse.Namespace, rng: random.Random) -> WorkerDirectory:
+    """The gateway's view of ``--workers`` placeable workers with random loads."""
+    reports = [
+        WorkerRegistration(
+            worker_id=f"worker-{i}",
+            role=Role.AGGREGATED,
+            model=MODEL,
+            max_model_len=8192,
+            active=0,
+            slots=8,
+            engine_running=rng.randrange(0, 16),
+            waiting=rng.randrange(0, 2),
+            engine_stats=EngineStats(kv_cache_usage=rng.random() * 0.8),
+            queued_prefill_tokens=rng.randrange(0, 4096),
+            reads_placed=True,
         )
         for i in range(args.workers)
     ]
+    found = WorkerDirectory(cast(WorkerRegistry, Registry(reports)))
+    asyncio.run(found.refresh())
+    return found
 
 
 def run(args: argparse.Namespace) -> None:
@@ -120,23 +154,27 @@ def run(args: argparse.Namespace) -> None:
     fresh = Tokens(rng)
     fleet = fill(args, rng, fresh)
     filled_s = time.perf_counter() - started
-    placer = CachePlacer(fleet.index, rng=random.Random(args.seed))
+    metrics = PlacementMetrics(CollectorRegistry())
+    placer = CachePlacer(fleet.index, rng=random.Random(args.seed), on_placed=metrics.observe)
     todo = prompts(args, fleet, rng, fresh)
-    fleets = [candidates(args, rng) for _ in range(64)]
-    times_us: list[float] = []
-    cpu_us: list[float] = []
+    moments = [directory(args, rng) for _ in range(64)]
+    freeze_startup_heap()
+    wall = Times()
+    cpu = Times()
     reasons: dict[PlacementReason, int] = {}
     matched = 0
     for number, prompt in enumerate(todo):
-        request = PlacementRequest(MODEL, Role.AGGREGATED, None, prompt)
-        now, cpu = time.perf_counter_ns(), time.thread_time_ns()
-        placement = placer.place(request, fleets[number % len(fleets)])
-        cpu_us.append((time.thread_time_ns() - cpu) / 1000)
-        times_us.append((time.perf_counter_ns() - now) / 1000)
+        workers = moments[number % len(moments)]
+        # what the dispatcher's _place runs: the request, the candidates, the placer
+        wall_0, cpu_0 = time.perf_counter_ns(), time.thread_time_ns()
+        request = PlacementRequest(MODEL, Role.AGGREGATED, None, prompt, None)
+        candidates = workers.candidates(MODEL, Role.AGGREGATED, None)
+        wall_1, cpu_1 = time.perf_counter_ns(), time.thread_time_ns()
+        placement = placer.place(request, candidates)
+        wall.add(wall_0, wall_1, time.perf_counter_ns())
+        cpu.add(cpu_0, cpu_1, time.thread_time_ns())
         reasons[placement.reason] = reasons.get(placement.reason, 0) + 1
         matched += placement.matched_blocks
-    times_us.sort()
-    cpu_us.sort()
     blocks = fleet.index.blocks()
     per_worker = sum(fleet.index.blocks_by_worker().values())
     print(
@@ -144,14 +182,37 @@ def run(args: argparse.Namespace) -> None:
         f"({per_worker} worker-block pairs), filled in {filled_s:.1f}s, "
         f"{fleet.memory_bytes / 2**20:.1f} MiB ({fleet.memory_bytes / per_worker:.0f} B per pair)"
     )
-    for name, values in (("wall", times_us), ("cpu", cpu_us)):
-        print(
-            f"placement cost ({name} time) over {len(values)} requests of 1-4k tokens: "
-            f"p50 {percentile(values, 50):.1f} us, p99 {percentile(values, 99):.1f} us, "
-            f"mean {statistics.fmean(values):.1f} us, max {values[-1]:.1f} us"
-        )
+    for clock, times in (("wall", wall), ("cpu", cpu)):
+        for what, values in (
+            ("placement", times.place),
+            ("candidates + placement (the dispatcher's _place)", times.total),
+        ):
+            print(
+                f"{what} ({clock} time) over {len(values)} requests of 1-4k tokens: "
+                f"{summary(values)}"
+            )
     shares = ", ".join(f"{reason.value} {count}" for reason, count in sorted(reasons.items()))
     print(f"decisions: {shares}; mean matched blocks {matched / len(todo):.1f}")
+
+
+class Times:
+    """Per request, in µs: the placer's own time, and that plus building the candidates."""
+
+    def __init__(self) -> None:
+        self.place: list[float] = []
+        self.total: list[float] = []
+
+    def add(self, start_ns: int, candidates_ns: int, end_ns: int) -> None:
+        self.place.append((end_ns - candidates_ns) / 1000)
+        self.total.append((end_ns - start_ns) / 1000)
+
+
+def summary(values: list[float]) -> str:
+    ordered = sorted(values)
+    return (
+        f"p50 {percentile(ordered, 50):.1f} us, p99 {percentile(ordered, 99):.1f} us, "
+        f"mean {statistics.fmean(ordered):.1f} us, max {ordered[-1]:.1f} us"
+    )
 
 
 def percentile(ordered: list[float], p: float) -> float:

@@ -94,6 +94,8 @@ class VariantResult:
     rounds: list[RoundSummary] = field(default_factory=list)
     prefill_probe_ms: float = math.nan
     """TTFT of a 2k-token prompt minus that of a 16-token one (uncached, one at a time)."""
+    placed: dict[str, float] = field(default_factory=dict)
+    """The gateway's placements by reason (and steals) as of the last round."""
 
     def median(self, attr: str) -> float:
         values = [float(getattr(r, attr)) for r in self.rounds]

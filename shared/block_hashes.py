@@ -11,9 +11,8 @@ craft a prompt whose block names collide with another tenant's: that only misrou
 own request (a worse placement, never a wrong answer: the engine matches its cache with
 its own hashes).
 
-Blocks are cut from a tuple of the tokens with prebuilt :func:`block_slices` (one
-C-level ``map`` step per block, no slice arithmetic in Python): the gateway names every
-prompt's blocks on the request path.
+Blocks are cut by :func:`blocks_of` straight from the token list, in C (no copy of the
+prompt, no slice per block): the gateway names a prompt's blocks on the request path.
 
 :class:`EngineBlockMap` keeps one engine's cached blocks under these names (engine hash ->
 name): the gateway's index holds one per worker, built from the worker's KV events, and
@@ -42,37 +41,20 @@ def prompt_blocks(num_tokens: int, block_size: int) -> int:
     return max(0, (num_tokens - 1) // block_size)
 
 
-_SLICES: dict[int, list[slice]] = {}
-_SLICES_MIN = 512
-"""Slices built at least, per block size (a longer prompt grows the list: at most one
-slice per block of the longest prompt seen, ~60 bytes each)."""
-
-
-def block_slices(block_size: int, count: int) -> list[slice]:
-    """At least ``count`` slices cutting consecutive ``block_size``-token blocks, shared:
-    built once per block size, so the hot loops only index with them."""
-    slices = _SLICES.get(block_size)
-    if slices is None or len(slices) < count:
-        total = max(count, _SLICES_MIN)
-        slices = [
-            slice(start, start + block_size) for start in range(0, total * block_size, block_size)
-        ]
-        _SLICES[block_size] = slices
-    return slices
-
-
-def blocks_of(tokens: tuple[int, ...], block_size: int, count: int) -> Iterator[tuple[int, ...]]:
-    """The first ``count`` blocks of ``tokens``, each a tuple, cut lazily (callers check
+def blocks_of(token_ids: Sequence[int], block_size: int, count: int) -> Iterator[tuple[int, ...]]:
+    """The first ``count`` blocks of ``token_ids``, each a tuple, cut lazily (callers check
     that ``count`` blocks are full)."""
-    return islice(map(tokens.__getitem__, block_slices(block_size, count)), count)
+    # zip over one iterator repeated block_size times: each block is filled in C straight
+    # from the list, with no copy of the whole prompt and no slice object per block (a last,
+    # partial block is left out)
+    return islice(zip(*[iter(token_ids)] * block_size, strict=False), count)
 
 
 def block_names(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
     """The names of every full block of ``token_ids``, in order."""
-    tokens = tuple(token_ids)
     names = []
     name = seed
-    for block in blocks_of(tokens, block_size, len(tokens) // block_size):
+    for block in blocks_of(token_ids, block_size, len(token_ids) // block_size):
         name = hash((name, block))
         names.append(name)
     return names
@@ -113,12 +95,11 @@ class EngineBlockMap:
         if name is None:
             self.unnamed += len(event.engine_hashes)
             return []
-        tokens = tuple(event.token_ids)
         hashes = event.engine_hashes
-        full = min(len(hashes), len(tokens) // self.block_size)
+        full = min(len(hashes), len(event.token_ids) // self.block_size)
         self.unnamed += len(hashes) - full
         added = []
-        blocks = blocks_of(tokens, self.block_size, full)
+        blocks = blocks_of(event.token_ids, self.block_size, full)
         for engine_hash, block in zip(hashes[:full], blocks, strict=True):
             name = hash((name, block))
             if engine_hash not in self._names:

@@ -74,6 +74,17 @@ class CommonSettings(BaseSettings):
         "Sentinel watches, followed through fail-overs. `conveyor up` starts a private "
         "redis-server when nothing answers at a redis:// URL.",
     )
+    stream_join_waiting: bool = Field(
+        False,
+        description="True: tokens of a stream that are already waiting when it is written "
+        "go out together: a worker whose last reply write is still on its way sends a "
+        "job's waiting tokens as one event, and a gateway stream whose client or event "
+        "loop is behind sends a choice's waiting events as one SSE chunk (text and token "
+        "ids joined, logprobs in one list, its `id:` the last one's). Nothing waits to be "
+        "joined: a stream that keeps up gets one chunk per engine step. Set it on the "
+        "gateways and the workers alike. False: one chunk per engine step always (vLLM's "
+        "`--stream-interval 1`).",
+    )
     model: str | None = Field(
         None,
         description="Hugging Face model folder or hub id to serve. Unset: a generated demo "

@@ -64,6 +64,8 @@ class WorkerPolicy:
     placement: bool = False
     """Read an own job stream first and steal (CONVEYOR_PLACEMENT)."""
     placement_steal_ms: int = 30
+    stream_join_waiting: bool = False
+    """A job's token events still waiting to be written leave as one event."""
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> WorkerPolicy:
@@ -80,6 +82,7 @@ class WorkerPolicy:
             kv_snapshot_interval_s=settings.kv_snapshot_interval_s,
             placement=settings.placement,
             placement_steal_ms=settings.placement_steal_ms,
+            stream_join_waiting=settings.stream_join_waiting,
         )
 
 
@@ -122,6 +125,7 @@ def build_worker(
         on_fenced=jobs.fence,
         scripts=scripts,
         retry_for_s=timing.journal_retry_s,
+        join_tokens=policy.stream_join_waiting,
     )
     recent = recent_cancels or RecentCancels()
     gateways = GatewayWatch(redis, grace_s=policy.gateway_liveness_ttl_s)

@@ -314,7 +314,7 @@ class Dispatcher:
         self.drain.watch(stream)
         placed_on = placement.worker_id if placement is not None else None
         if plan.resume is not None:
-            return await self._enqueue_resumable(stream, jobs, plan, plan.resume, placed_on)
+            return await self._enqueue_resumable(stream, jobs, plan, plan.resume, placement)
         events = self._router.open(request_id)
         try:
             opened = self.accounting.opened_by(plan)
@@ -326,7 +326,7 @@ class Dispatcher:
         if result.outcome is not Admission.QUEUED:
             self._router.close(request_id)
         headers = self._admitted(result, stream, jobs, plan)
-        self._note_placed(result, placed_on, jobs)
+        self._note_placed(result, placement, jobs)
         self.accounting.opened(plan)
         if plan.key_id is not None:
             self._open_by_key.setdefault(plan.key_id, set()).add(request_id)
@@ -361,14 +361,20 @@ class Dispatcher:
         log.info("queued %s: %d sequence(s) for %s", plan.request_id, len(jobs), plan.model)
         return headers
 
-    def _note_placed(self, result: AdmissionResult, placed_on: str | None, jobs: list[Job]) -> None:
-        """Count the jobs on the worker they were placed on until its next load report."""
+    def _note_placed(
+        self, result: AdmissionResult, placement: Placement | None, jobs: list[Job]
+    ) -> None:
+        """Count the jobs on the worker they were placed on until its next load report: their
+        prompt tokens that worker has not cached are its queued prefill."""
         if result.placed_on is not None:
-            prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+            cached = placement.cached_tokens if placement is not None else 0
+            prompt_tokens = sum(max(0, len(job.prompt_token_ids) - cached) for job in jobs)
             self._directory.note_placed(result.placed_on, len(jobs), prompt_tokens)
-        elif placed_on is not None:
+        elif placement is not None and placement.worker_id is not None:
             log.debug(
-                "%s went to the shared stream: worker %s had left", jobs[0].request_id, placed_on
+                "%s went to the shared stream: worker %s had left",
+                jobs[0].request_id,
+                placement.worker_id,
             )
 
     async def _enqueue_resumable(
@@ -377,7 +383,7 @@ class Dispatcher:
         jobs: list[Job],
         plan: AnyPlan,
         resume: Resume,
-        placed_on: str | None,
+        placement: Placement | None,
     ) -> RequestHandle:
         """Queue a resumable request: its log and lease first (a worker checks the lease
         when it takes a job), then its jobs; its first reader follows its log."""
@@ -387,12 +393,13 @@ class Dispatcher:
             )
             await hold_request(self._redis, plan.request_id, resume.holder, resume.lease_s)
             opened = self.accounting.opened_by(plan)
+            placed_on = placement.worker_id if placement is not None else None
             result = await self._admit(stream, jobs, plan, opened, placed_on)
         except RedisError as exc:
             log.warning("the job queue is unreachable: %s", exc)
             raise BackendUnavailable("the job queue is unreachable; retry") from exc
         headers = self._admitted(result, stream, jobs, plan)
-        self._note_placed(result, placed_on, jobs)
+        self._note_placed(result, placement, jobs)
         handle = self.follow(plan.request_id, len(jobs), plan.deadline, resume)
         handle.headers.update(headers)
         return handle

@@ -2,7 +2,7 @@
 
 Workers append events to it through :mod:`workers.journal.run_journal` (one fenced script
 call per engine step). :class:`ReplyRouter` runs one ``XREAD BLOCK`` loop over
-the stream and routes events into bounded per-request queues; a watchdog ends
+the stream and routes events into bounded per-request inboxes; a watchdog ends
 every open request with a clean error when Redis stays unreachable.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.dispatch.reply_inbox import ReplyInbox
 from shared.connections.connect import MAX_BLOCK_MS, as_text
 from shared.connections.retry import Backoff
 from shared.errors import ConveyorError, ProtocolError, RequestCancelled
@@ -62,7 +63,7 @@ class ReplyRouter:
         self.stream = stream
         self._queue_size = queue_size
         self._keep_history_ms = int(keep_history_s * 1000)
-        self._routes: dict[str, asyncio.Queue[Event | StreamInterrupted]] = {}
+        self._routes: dict[str, ReplyInbox[Event | StreamInterrupted]] = {}
         self._last_id = "0-0"
         self._block_ms = min(block_ms, MAX_BLOCK_MS)
         self._outage_limit_s = outage_limit_s
@@ -75,10 +76,10 @@ class ReplyRouter:
         """Called when a read succeeds after one failed: Redis may have restarted or
         failed over, and lost writes it had acknowledged (the dispatcher checks)."""
 
-    def open(self, request_id: str) -> asyncio.Queue[Event | StreamInterrupted]:
-        queue: asyncio.Queue[Event | StreamInterrupted] = asyncio.Queue(self._queue_size)
-        self._routes[request_id] = queue
-        return queue
+    def open(self, request_id: str) -> ReplyInbox[Event | StreamInterrupted]:
+        inbox: ReplyInbox[Event | StreamInterrupted] = ReplyInbox(self._queue_size)
+        self._routes[request_id] = inbox
+        return inbox
 
     def close(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
@@ -118,7 +119,7 @@ class ReplyRouter:
         for request_id in request_ids:
             queue = self._routes.pop(request_id, None)
             if queue is not None:
-                queue._queue.clear()  # type: ignore[attr-defined]
+                queue.clear()
                 queue.put_nowait(StreamInterrupted(reason, error))
 
     async def _read_forever(self) -> None:
@@ -170,7 +171,7 @@ class ReplyRouter:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
                 self._routes.pop(event.request_id, None)
-                queue._queue.clear()  # type: ignore[attr-defined]
+                queue.clear()
                 queue.put_nowait(StreamInterrupted("the client read the stream too slowly"))
         elif isinstance(event, CancelCommand):  # POST /v1/requests/{id}/cancel, any gateway
             error = RequestCancelled("the request was cancelled (POST /v1/requests/{id}/cancel)")

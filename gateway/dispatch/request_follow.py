@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.dispatch.plan import Deadline, Resume
+from gateway.dispatch.reply_inbox import ReplyInbox
 from gateway.dispatch.reply_router import StreamInterrupted
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.dispatch.request_log import RequestLog
@@ -52,7 +53,7 @@ def follow(
 ) -> RequestHandle:
     """The handle of ``request_id``'s events after log entry ``after``; ``spawn`` runs
     the work left when it closes (it must outlive a cancelled caller)."""
-    queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
+    queue: ReplyInbox[Any] = ReplyInbox(QUEUE_SIZE)
     request_log = RequestLog(redis, request_id)
     reader = asyncio.get_running_loop().create_task(
         _read(redis, request_log, queue, resume, after), name=f"follow-{request_id}"
@@ -69,7 +70,7 @@ def follow(
 async def _read(
     redis: aioredis.Redis,
     request_log: RequestLog,
-    queue: asyncio.Queue[Any],
+    queue: ReplyInbox[Any],
     resume: Resume,
     after: str,
 ) -> None:

@@ -11,17 +11,18 @@ a key's concurrency slot) belongs there too.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import NoReturn
 
 from gateway.dispatch.plan import Deadline
+from gateway.dispatch.reply_inbox import ReplyInbox
 from gateway.dispatch.reply_router import StreamInterrupted
 from gateway.dispatch.request_tally import RequestTally
 from shared.errors import BackendUnavailable, DeadlineExceeded, RepliesLost
-from shared.protocol import FINAL_EVENTS, Event
+from shared.protocol import FINAL_EVENTS, Event, TokenEvent
+from shared.token_runs import can_join, joined
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class RequestHandle:
         self,
         request_id: str,
         sequences: int,
-        queue: asyncio.Queue[Event | StreamInterrupted],
+        queue: ReplyInbox[Event | StreamInterrupted],
         deadline: Deadline,
         on_close: Callable[[bool], None],
         *,
@@ -67,6 +68,7 @@ class RequestHandle:
     ) -> None:
         if not self._closed:
             self._closed = True
+            self._queue.close()
             self._on_close(self._unfinished > 0)  # True: cancel what is still running
 
     async def events(self, *, idle_timeout_s: float | None = None) -> AsyncIterator[Event | None]:
@@ -107,12 +109,20 @@ class RequestHandle:
         raise BackendUnavailable("the request ended without an event")
 
     async def _next(self, wait_s: float) -> Event | StreamInterrupted:
-        try:
-            return self._queue.get_nowait()  # the common case under load: no timer, no task
-        except asyncio.QueueEmpty:
-            # A timeout scope, not wait_for: no task per event while a stream waits.
-            async with asyncio.timeout(wait_s):
-                return await self._queue.get()
+        return await self._queue.get(wait_s)
+
+    def join_buffered(self, event: TokenEvent) -> TokenEvent:
+        """``event`` joined with the token events of its sequence already queued right
+        behind it (see :mod:`shared.token_runs`), taken as :meth:`events` takes them;
+        numbered as the last of them. Never waits: with nothing queued it is ``event``."""
+        run = [event]
+        while self._held is None and can_join(event, following := self._queue.peek()):
+            self._queue.get_nowait()
+            assert isinstance(following, TokenEvent)
+            if self._in_order(following):
+                self.tally.note(following)
+                run.append(following)
+        return joined(run, seq=run[-1].seq)
 
     @property
     def started(self) -> bool:

@@ -108,14 +108,16 @@ class WorkerDirectory:
         ]
 
     def _candidate(self, worker: WorkerRegistration) -> Candidate:
-        placed = self._placed.get(worker.worker_id, [])
-        since = [p for p in placed if p.at_ms >= worker.reported_ms]
-        if since:
-            self._placed[worker.worker_id] = since
-        else:
-            self._placed.pop(worker.worker_id, None)
-        jobs = sum(p.jobs for p in since)
-        prompt_tokens = sum(p.prompt_tokens for p in since)
+        jobs = prompt_tokens = 0
+        placed = self._placed.get(worker.worker_id)
+        if placed:  # runs per worker for every request placed: nothing to add is the fast path
+            since = [p for p in placed if p.at_ms >= worker.reported_ms]
+            if since:
+                self._placed[worker.worker_id] = since
+                jobs = sum(p.jobs for p in since)
+                prompt_tokens = sum(p.prompt_tokens for p in since)
+            else:
+                del self._placed[worker.worker_id]
         stats = worker.engine_stats
         return Candidate(
             worker_id=worker.worker_id,
@@ -124,7 +126,7 @@ class WorkerDirectory:
             free_slots=max(0, worker.slots - worker.active - jobs),
             kv_usage=stats.kv_cache_usage if stats is not None else 0.0,
             queued_prefill_tokens=worker.queued_prefill_tokens + prompt_tokens,
-            adapters=frozenset(name for name, st in worker.adapters.items() if st == LOADED),
+            adapters=_loaded(worker.adapters),
         )
 
     def loads(self) -> dict[str, dict[str, object]]:
@@ -200,3 +202,12 @@ class WorkerDirectory:
 
     def all(self) -> list[WorkerRegistration]:
         return list(self._workers)
+
+
+_NO_ADAPTERS: frozenset[str] = frozenset()
+
+
+def _loaded(adapters: dict[str, str]) -> frozenset[str]:
+    if not adapters:
+        return _NO_ADAPTERS
+    return frozenset(name for name, state in adapters.items() if state == LOADED)

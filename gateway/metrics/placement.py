@@ -26,7 +26,19 @@ class PlacementMetrics:
             registry=registry,
         )
 
+        # labelled series already looked up: ``labels()`` validates and locks on every
+        # call, and this runs for every placed job
+        self._placed: dict[tuple[str, str], Counter] = {}
+        self._matched: dict[str, Histogram] = {}
+
     def observe(self, request: PlacementRequest, placement: Placement) -> None:
-        self.placements.labels(request.model, placement.reason.value).inc()
+        key = (request.model, placement.reason.value)
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._placed[key] = self.placements.labels(*key)
+        placed.inc()
         if placement.worker_id is not None:
-            self.matched_blocks.labels(request.model).observe(placement.matched_blocks)
+            matched = self._matched.get(request.model)
+            if matched is None:
+                matched = self._matched[request.model] = self.matched_blocks.labels(request.model)
+            matched.observe(placement.matched_blocks)

@@ -7,11 +7,15 @@ For each candidate, Dynamo's default cost form::
 
 lowest wins (ties: the least loaded, then at random). A busy worker (no free slot, too
 many jobs waiting to start, or its KV cache nearly full) is never chosen, so affinity
-always yields to load; with every candidate busy the job goes to the shared stream, where whichever
-worker frees up first takes it. A request's ``prompt_cache_key`` (OpenAI's field) is an
-affinity hint: when the index knows none of the prompt, the job goes to the worker that
-last took that key, if it is not busy. An adapter's job only goes to workers that have
-the adapter.
+always yields to load; with every candidate busy the job goes to the shared stream, where
+whichever worker frees up first takes it. So does a job every free worker holds as much
+of (none, or only a prefix all share, such as a chat template's): with no cache to win,
+the pull queue balances load better than a placement on last reported loads.
+
+A request's ``prompt_cache_key`` (OpenAI's field) is an affinity hint: when the index
+knows none of the prompt, the job goes to the worker that last took that key, if it is
+not busy (a key's first job is placed by load, so that its next ones have a worker to
+follow). An adapter's job only goes to workers that have the adapter.
 """
 
 from __future__ import annotations
@@ -109,10 +113,9 @@ class CachePlacer:
 
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
         lora = request.lora
+        busy = self.policy.busy
         free = [  # may run it, and not busy
-            c
-            for c in candidates
-            if (lora is None or lora in c.adapters) and not self.policy.busy(c)
+            c for c in candidates if (lora is None or lora in c.adapters) and not busy(c)
         ]
         if not free:
             return Placement(None, PlacementReason.SHARED)
@@ -127,24 +130,43 @@ class CachePlacer:
             for candidate in free:
                 if candidate.worker_id == keyed:
                     return Placement(keyed, PlacementReason.CACHE_KEY)
+        if request.cache_key is None and len(free) > 1 and _all_equal(matched, len(free)):
+            return Placement(None, PlacementReason.SHARED)  # no cache to win anywhere
         size = self.index.block_size(request.model) or DEFAULT_BLOCK_TOKENS
-        blocks = prompt_blocks(len(tokens), size)
-        best = min(free, key=lambda c: self._rank(c, blocks - matched.get(c.worker_id, 0), size))
+        best = self._cheapest(free, prompt_blocks(len(tokens), size), matched, size)
         hits = matched.get(best.worker_id, 0)
         if hits:
-            return Placement(best.worker_id, PlacementReason.CACHE, hits)
+            return Placement(best.worker_id, PlacementReason.CACHE, hits, hits * size)
         return Placement(best.worker_id, PlacementReason.LOAD)
 
-    def _rank(self, candidate: Candidate, uncached: int, size: int) -> tuple[float, int, float]:
-        queued = -(-candidate.queued_prefill_tokens // size)
-        cost = (
-            self.policy.prefill_weight * (uncached + queued)
-            + self.policy.decode_weight * candidate.running
-        )
-        return cost, candidate.running + candidate.waiting, self._rng.random()
+    def _cheapest(
+        self, free: list[Candidate], blocks: int, matched: dict[str, int], size: int
+    ) -> Candidate:
+        """The candidate of least cost; ties: the least loaded, then at random (this runs
+        for every request: one list of costs, at most one random draw)."""
+        prefill, decode = self.policy.prefill_weight, self.policy.decode_weight
+        held = matched.get
+        costs = [
+            # uncached blocks plus queued prefill in blocks (rounded up), running sequences
+            prefill * (blocks - held(c.worker_id, 0) - c.queued_prefill_tokens // -size)
+            + decode * c.running
+            for c in free
+        ]
+        low = min(costs)
+        if costs.count(low) == 1:
+            return free[costs.index(low)]
+        tied = [c for c, cost in zip(free, costs, strict=True) if cost == low]
+        least = min(c.running + c.waiting for c in tied)
+        return self._rng.choice([c for c in tied if c.running + c.waiting == least])
 
     def _remember(self, model: str, key: str, worker_id: str) -> None:
         self._keys[(model, key)] = worker_id
         self._keys.move_to_end((model, key))
         while len(self._keys) > CACHE_KEYS_MAX:
             self._keys.popitem(last=False)
+
+
+def _all_equal(matched: dict[str, int], free: int) -> bool:
+    """Whether each of ``free`` workers holds as many blocks (``matched`` leaves out those
+    that hold none)."""
+    return not matched or (len(matched) == free and len(set(matched.values())) == 1)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+import msgspec
+
 from shared.roles import Role
 
 
@@ -22,16 +24,21 @@ class PlacementReason(StrEnum):
     CACHE_KEY = "cache_key"
     """The request's ``prompt_cache_key`` went to the worker that served that key last."""
     LOAD = "load"
-    """No worker holds a useful part of the prompt: the least loaded one."""
+    """No worker that holds part of the prompt is worth its load (or there is no prompt to
+    match: a decode job): the least loaded one."""
     SHARED = "shared"
-    """Not placed: placement is off, no worker can be scored, or every one is busy."""
+    """Not placed: placement is off, no worker can be scored, every one is busy, or every
+    free one holds as much of the prompt (none)."""
     STEAL = "steal"
     """A placed job waited too long on its worker and another, idle worker took it."""
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A live, ready, non-draining worker of the job's (model, role), as last reported."""
+class Candidate(msgspec.Struct, frozen=True):
+    """A live, ready, non-draining worker of the job's (model, role), as last reported.
+
+    A Struct (built in C) rather than a frozen dataclass: the gateway builds one per
+    worker for every request it places, and a frozen dataclass sets each field through
+    ``object.__setattr__`` (~1.5 µs a candidate, 16 workers: ~25 µs a request)."""
 
     worker_id: str
     running: int
@@ -66,6 +73,8 @@ class Placement:
     reason: PlacementReason
     matched_blocks: int = 0
     """Prompt blocks cached on the chosen worker (CACHE)."""
+    cached_tokens: int = 0
+    """The prompt tokens those blocks hold: the worker will not prefill them again."""
 
 
 class Placer(Protocol):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 
 from shared.block_hashes import EngineBlockMap, blocks_of, chain_seed, prompt_blocks
 from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot
@@ -39,6 +41,8 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}
         """Block name -> bit mask of the workers holding it."""
         self._workers: dict[str, _Worker] = {}
+        self._masks: dict[str, dict[str, int]] = {}
+        """Model -> its workers' bit masks (kept beside ``_workers``: a placement reads them)."""
         self._free_bits: list[int] = []
         self._block_size: dict[str, int] = {}
         self.gaps = 0
@@ -81,24 +85,20 @@ class PrefixIndex:
         size = self._block_size.get(model)
         if size is None:
             return {}
-        masks = {}
-        for worker_id in worker_ids:
-            worker = self._workers.get(worker_id)
-            if worker is not None and worker.blocks.model == model:
-                masks[worker_id] = 1 << worker.bit
-        held = 0
-        for mask in masks.values():
-            held |= mask
+        of_model = self._masks.get(model, {})
+        masks = {
+            worker_id: of_model[worker_id] for worker_id in worker_ids if worker_id in of_model
+        }
+        held = reduce(or_, masks.values(), 0)
         if not held:
             return {}
         holders = self._holders.get
         name = chain_seed(model, lora)
         matched: dict[str, int] = {}
         depth = 0
-        tokens = tuple(token_ids)
         # shared.block_hashes.block_names, inlined and lazy (a block is named only when
         # every block before it matched): this loop is the cost of a placement
-        for block in blocks_of(tokens, size, prompt_blocks(len(tokens), size)):
+        for block in blocks_of(token_ids, size, prompt_blocks(len(token_ids), size)):
             name = hash((name, block))
             now = holders(name, 0) & held
             if now != held:
@@ -158,6 +158,7 @@ class PrefixIndex:
         if worker is None:
             return
         self._unset(worker, worker.blocks.clear())
+        self._forget_mask(worker.blocks.model, worker_id)
         self._free_bits.append(worker.bit)
 
     # ------------------------------------------------------------------ internals
@@ -167,6 +168,7 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         if worker is not None:
             self._unset(worker, worker.blocks.clear())
+            self._forget_mask(worker.blocks.model, worker_id)
         known = self._block_size.setdefault(model, block_size)
         if known != block_size:
             log.warning(
@@ -180,7 +182,21 @@ class PrefixIndex:
         bit = worker.bit if worker is not None else self._new_bit()
         fresh = _Worker(bit, EngineBlockMap(model, block_size), 0)
         self._workers[worker_id] = fresh
+        self._masks.setdefault(model, {})[worker_id] = 1 << bit
         return fresh
+
+    def _forget_mask(self, model: str, worker_id: str) -> None:
+        """The worker no longer counts for ``model``. The model's block size is its
+        remaining workers' when they agree (workers of another engine may have replaced
+        the ones that set it), and unknown with none left."""
+        masks = self._masks.get(model, {})
+        masks.pop(worker_id, None)
+        sizes = {self._workers[w].blocks.block_size for w in masks if w in self._workers}
+        if len(sizes) == 1:
+            self._block_size[model] = sizes.pop()
+        elif not masks:
+            self._masks.pop(model, None)
+            self._block_size.pop(model, None)
 
     def _new_bit(self) -> int:
         if self._free_bits:

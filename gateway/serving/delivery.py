@@ -24,7 +24,7 @@ from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n"
 """A comment line with no blank line after it: a blank line would end an SSE event, and
 a client that saw an ``id:`` before (the official ``openai`` SDK, as the SSE spec says)
@@ -35,7 +35,7 @@ class EventStreamResponse(StreamingResponse):
     """SSE response that owns its request handle: closed when the response ends, however
     it ends (last event, error, client gone), even if the stream never started."""
 
-    def __init__(self, events: AsyncIterator[str], handle: RequestHandle) -> None:
+    def __init__(self, events: AsyncIterator[str | bytes], handle: RequestHandle) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -53,10 +53,12 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
 
 
-def sse_data(body: Json, event_id: str | None = None) -> str:
-    data = orjson.dumps(body).decode()
-    prefix = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{prefix}data: {data}\n\n"
+def sse_data(body: Json, event_id: str | None = None) -> bytes:
+    """One SSE event, as the bytes the response sends (no str round trip per chunk)."""
+    data = orjson.dumps(body)
+    if event_id is None:
+        return b"data: %b\n\n" % data
+    return b"id: %b\ndata: %b\n\n" % (event_id.encode(), data)
 
 
 def event_id_of(index: int, seq: int, *, single: bool) -> str:
@@ -75,14 +77,17 @@ async def stream_events(
     prompt_tokens: dict[int, int] | None = None,
     after: tuple[int, int] | None = None,
     queue: QueueWatch | None = None,
-) -> AsyncIterator[str]:
+    join_waiting: bool = False,
+) -> AsyncIterator[str | bytes]:
     """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments.
     ``prompt_tokens`` (each choice's prompt length) asks for vLLM's continuous usage:
     every chunk carries its choice's usage so far. ``after`` (choice, seq): a resumed
     stream; the events up to that one are rendered again (the chunks are a function of
     the events) and not sent, so the client gets each later chunk exactly once. With
     ``queue``, a request still waiting for a worker gets ``: queued position=N eta_s=S``
-    comments as it moves up."""
+    comments as it moves up. ``join_waiting``: token events of a choice that are already
+    queued behind the one taken leave as one chunk (its ``id:`` is the last one's), never
+    waiting for more; False: one chunk per event."""
     usage = Usage(choices_per_prompt)
     single = len(indices) == 1
     generated = dict.fromkeys(indices, 0)
@@ -100,7 +105,7 @@ async def stream_events(
         return body
 
     # Chunks of events that arrived together leave in one write (one send per wakeup).
-    pending: list[str] = []
+    pending: list[bytes] = []
     try:
         for index in indices:
             start = fmt.start_chunk(index)
@@ -117,6 +122,8 @@ async def stream_events(
                     quiet_s = 0.0
                 continue
             quiet_s = 0.0
+            if join_waiting and after is None and isinstance(event, TokenEvent):
+                event = handle.join_buffered(event)
             event_id = event_id_of(event.index, event.seq, single=single)
             if isinstance(event, TokenEvent):
                 generated[event.index] += len(event.token_ids)
@@ -136,7 +143,7 @@ async def stream_events(
                 else:
                     pending.append(sse_data(RemoteError(event).to_openai(), event_id))
                 pending.append(DONE)
-                yield "".join(pending)
+                yield b"".join(pending)
                 return
             if after is not None:  # resuming: nothing up to ``after`` is sent again
                 pending.clear()
@@ -144,15 +151,15 @@ async def stream_events(
                     after = None
                 continue
             if not handle.has_buffered():
-                yield "".join(pending)
+                yield b"".join(pending)
                 pending.clear()
         if include_usage:
             pending.append(sse_data(fmt.usage_chunk(usage)))
         pending.append(DONE)
-        yield "".join(pending)
+        yield b"".join(pending)
     except ConveyorError as exc:
         log.warning("stream %s ended with an error: %s", handle.request_id, exc)
-        yield "".join([*pending, sse_data(exc.to_openai()), DONE])
+        yield b"".join([*pending, sse_data(exc.to_openai()), DONE])
 
 
 async def collect_response(

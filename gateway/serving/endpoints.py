@@ -393,6 +393,7 @@ def stream_response(
         prompt_tokens=_prompt_tokens(prompts) if body.continuous_usage() else None,
         after=after,
         queue=queue,
+        join_waiting=state.settings.stream_join_waiting,
     )
     return EventStreamResponse(events, handle)  # the response owns the handle now
 

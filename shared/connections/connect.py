@@ -1,7 +1,8 @@
 """One way to open a Redis connection, with timeouts the stream readers rely on.
 
 The URL is a plain Redis or a Sentinel-watched master (shared/connections/url.py); both get
-the same bounded pool (shared/connections/pool.py).
+the same bounded pool (shared/connections/pool.py), whose connections pack commands with
+hiredis (shared/connections/packing.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.connections.packing import packing
 from shared.connections.pool import BoundedConnectionPool
 from shared.connections.url import (
     AsyncSentinelMaster,
@@ -52,6 +54,7 @@ def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> aioredis.Red
     if is_sentinel_url(url):
         return _connect_sentinel(url, max_connections)
     pool = BoundedConnectionPool.from_url(url, **_pool_kwargs(max_connections))
+    pool.connection_class = packing(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
 
 
@@ -84,4 +87,6 @@ def _connect_sentinel(url: str, max_connections: int) -> aioredis.Redis:
         **_pool_kwargs(max_connections),
         **parsed.node_kwargs(),
     )
+    pool = client.connection_pool
+    pool.connection_class = packing(pool.connection_class)
     return client

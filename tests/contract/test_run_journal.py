@@ -168,6 +168,13 @@ async def wa(redis_backend: aioredis.Redis) -> AsyncIterator[Journal]:
         yield journal
 
 
+@pytest.fixture
+async def joining(redis_backend: aioredis.Redis) -> AsyncIterator[Journal]:
+    """A journal that joins a job's waiting token events (the workers' default)."""
+    async with journals(redis_backend, "wj", join_tokens=True) as (journal,):
+        yield journal
+
+
 # ------------------------------------------------------------------------- begin
 
 
@@ -219,6 +226,47 @@ async def test_publish_and_flush_write_events_tokens_and_seq(
     assert await redis_backend.xlen(STREAM) == 1
     assert len(await pending(redis_backend)) == 1
     assert wa.fenced == []
+
+
+async def test_token_events_waiting_together_leave_as_one(
+    joining: Journal, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await joining.begin(delivery)
+    emit(joining.journal, lease, [10], [11, 12], [])
+    assert lease.next_seq == 1  # the joined event keeps the first seq
+    await joining.flush()
+    [event] = await replies(redis_backend)
+    assert (event.seq, event.token_ids, event.text) == (0, [10, 11, 12], "[10][11, 12][]")
+    assert await emitted(redis_backend, "r1/0") == [10, 11, 12]
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "seq") == b"1"
+
+    # Written already: the next one is an event of its own, numbered on.
+    emit(joining.journal, lease, [13])
+    joining.finish(lease, fin(lease))
+    await joining.flush()
+    assert [(e.seq, type(e).__name__) for e in await replies(redis_backend)] == [
+        (0, "TokenEvent"),
+        (1, "TokenEvent"),
+        (2, "FinishEvent"),
+    ]
+
+
+async def test_only_the_last_numbered_event_of_the_same_job_joins(
+    joining: Journal, redis_backend: aioredis.Redis
+) -> None:
+    first, second = await deliver(redis_backend, make_job("r1"), make_job("r2"))
+    a, b = await joining.begin(first), await joining.begin(second)
+    emit(joining.journal, a, [1])
+    emit(joining.journal, b, [2])
+    emit(joining.journal, a, [3])
+    skipped = tok(a, [4])  # numbered, then another event was numbered before it came
+    late = tok(a, [5])
+    joining.journal.publish(a, late, [5])
+    joining.journal.publish(a, skipped, [4])
+    await joining.flush()
+    found = [(e.request_id, e.seq, e.token_ids) for e in await replies(redis_backend)]
+    assert found == [("r1", 0, [1, 3]), ("r1", 2, [5]), ("r1", 1, [4]), ("r2", 0, [2])]
 
 
 async def test_flush_with_nothing_published_returns(wa: Journal) -> None:

@@ -12,6 +12,7 @@ import redis
 
 from shared.demo.model import write_demo_model
 from tests.e2e.lora_stack import LoraStack, lora_session
+from tests.e2e.reference import OfflineReference
 from tests.e2e.stack import Process, Stack, wait_until
 
 E2E_REDIS_URL = os.environ.get("CONVEYOR_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/3")
@@ -60,6 +61,26 @@ def running(stack: Stack) -> Running:
     gateway, base_url = stack.start_gateway()
     wait_until(f"{base_url}/ready", status=200, process=worker, timeout_s=240)
     return Running(stack, base_url, worker, gateway)
+
+
+@pytest.fixture(scope="session")
+def offline_engine(
+    demo_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[OfflineReference]:
+    users = sum("offline" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    engine = OfflineReference(demo_model, tmp_path_factory.mktemp("offline") / "vllm.log", users)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def offline(offline_engine: OfflineReference) -> Iterator[OfflineReference]:
+    """vLLM's offline engine on the demo model, shared by the tests that compare with it
+    (tests/e2e/reference.py); started by the first, closed after the last."""
+    yield offline_engine
+    offline_engine.done()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Running
-from tests.e2e.stack import run_offline
+from tests.e2e.reference import OfflineReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
@@ -14,7 +14,7 @@ PROMPTS = [[1, 300, 301, 302], [1, *range(1000, 1040)], [1, *range(50, 250)]]
 MAX_TOKENS = 24
 
 
-def test_gateway_tokens_equal_offline_generate(running: Running) -> None:
+def test_gateway_tokens_equal_offline_generate(offline: OfflineReference, running: Running) -> None:
     ours = []
     for prompt in PROMPTS:
         response = httpx.post(
@@ -30,6 +30,5 @@ def test_gateway_tokens_equal_offline_generate(running: Running) -> None:
         )
         response.raise_for_status()
         ours.append(response.json()["choices"][0]["token_ids"])
-    request = {"model": str(running.stack.model_path), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    reference = run_offline("offline_generate.py", request)
+    reference = offline.ask("generate", prompts=PROMPTS, max_tokens=MAX_TOKENS)
     assert ours == reference

@@ -20,7 +20,7 @@ import pytest
 
 from bench.lm_eval_parity import GENERATION, LOGLIKELIHOOD, SEED
 from tests.e2e.conftest import Running
-from tests.e2e.stack import run_offline
+from tests.e2e.reference import OfflineReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
@@ -60,7 +60,9 @@ def chat_prompt(running: Running, messages: list[dict[str, str]]) -> list[int]:
 
 
 @pytest.mark.timeout(900)  # a harness process and an offline engine: minutes on a busy box
-def test_lm_eval_scores_equal_offline_vllm(running: Running, tmp_path: Path) -> None:
+def test_lm_eval_scores_equal_offline_vllm(
+    offline: OfflineReference, running: Running, tmp_path: Path
+) -> None:
     started = time.monotonic()
     runs = lm_eval_runs(running, tmp_path / "runs.json")
     harness_s = time.monotonic() - started
@@ -69,16 +71,13 @@ def test_lm_eval_scores_equal_offline_vllm(running: Running, tmp_path: Path) -> 
     assert len(docs) == DOCS_PER_TASK
     pairs = [pair for doc in docs for pair in scored["requests"][doc]]
     chats = sorted(generated["requests"], key=int)
-    reference = run_offline(
-        "offline_lm_eval.py",
-        {
-            "model": str(running.stack.model_path),
-            "scored": [context + continuation for context, continuation in pairs],
-            "generate": [chat_prompt(running, generated["requests"][d][0]) for d in chats],
-            "max_tokens": MAX_GEN_TOKENS,
-            "stop": STOP,
-            "seed": SEED,
-        },
+    reference = offline.ask(
+        "lm_eval",
+        scored=[context + continuation for context, continuation in pairs],
+        generate=[chat_prompt(running, generated["requests"][d][0]) for d in chats],
+        max_tokens=MAX_GEN_TOKENS,
+        stop=STOP,
+        seed=SEED,
     )
     print(f"lm-eval: {harness_s:.1f}s; offline vLLM: {time.monotonic() - started - harness_s:.1f}s")
     theirs = iter(reference["scored"])

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Running
-from tests.e2e.stack import run_offline
+from tests.e2e.reference import OfflineReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 
@@ -22,15 +22,14 @@ def client(running: Running) -> openai.OpenAI:
 
 @pytest.mark.slow
 def test_lm_eval_loglikelihood_request_equals_offline_prompt_logprobs(
-    client: openai.OpenAI, running: Running
+    client: openai.OpenAI, running: Running, offline: OfflineReference
 ) -> None:
     """The body lm-eval 0.4.13's ``local-completions`` sends for log-likelihood requests
     (``lm_eval/models/openai_completions.py``: a batch of token-id prompts, ``echo``,
     ``max_tokens: 1``, ``logprobs: 1``, ``temperature: 0``, a seed), read as it reads it
     (``token_logprobs[ctxlen:-1]``, greedy when each equals its ``top_logprobs`` maximum);
     and the ``max_tokens: 0`` form of the same request."""
-    request = {"model": str(running.stack.model_path), "prompts": PROMPTS}
-    reference = run_offline("offline_prompt_logprobs.py", request)
+    reference = offline.ask("prompt_logprobs", prompts=PROMPTS)
     batch = client.completions.create(
         model=running.model, prompt=PROMPTS, echo=True, max_tokens=1, logprobs=1,
         temperature=0, seed=1234,

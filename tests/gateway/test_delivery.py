@@ -14,13 +14,22 @@ import openai
 import pytest
 from msgspec.structs import replace
 
+from gateway.catalog.served_models import ServedModel
 from shared.errors import EngineError, InvalidRequest
 from shared.protocol import Event, FinishEvent, Job
 from shared.queue import names
 from shared.queue.usage import decode_usage
 from tests.gateway.asgi_call import AsgiCall
 from tests.gateway.fake_worker import echo, error, finish, silent, token
-from tests.gateway.harness import BODIES, CHAT, COMPLETIONS, EMBEDDINGS, LiveGateway, error_of
+from tests.gateway.harness import (
+    BODIES,
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    LiveGateway,
+    error_of,
+    live_gateway,
+)
 from tests.gateway.sse import DONE, SseEvent, content, events, parse_sse
 from tests.waiting import eventually
 
@@ -29,6 +38,21 @@ STREAM: dict[str, Any] = {"stream": True}
 
 def chat(**fields: Any) -> dict[str, Any]:
     return {**BODIES[CHAT], **fields}
+
+
+@pytest.fixture
+async def per_event(served_model: ServedModel) -> AsyncIterator[LiveGateway]:
+    """A gateway that sends one chunk per event (``stream_join_waiting`` off), for the
+    tests that read each event's chunk; the echo worker writes two events per entry."""
+    async with live_gateway(served_model, sse_keepalive_s=0.05, stream_join_waiting=False) as live:
+        yield live
+
+
+@pytest.fixture
+async def joining(served_model: ServedModel) -> AsyncIterator[LiveGateway]:
+    """A gateway that joins events waiting together (``stream_join_waiting`` on)."""
+    async with live_gateway(served_model, sse_keepalive_s=0.05, stream_join_waiting=True) as live:
+        yield live
 
 
 # ---------------------------------------------------------------------- the plain path
@@ -53,7 +77,8 @@ async def test_chat_non_stream_collects_every_token(gateway: LiveGateway) -> Non
     }
 
 
-async def test_chat_stream_is_openai_sse_with_event_ids(gateway: LiveGateway) -> None:
+async def test_chat_stream_is_openai_sse_with_event_ids(per_event: LiveGateway) -> None:
+    gateway = per_event
     response = await gateway.client.post(CHAT, json=chat(max_tokens=3, **STREAM))
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -69,9 +94,20 @@ async def test_chat_stream_is_openai_sse_with_event_ids(gateway: LiveGateway) ->
     assert {item.data["id"] for item in items[:-1]} == {response.headers["X-Request-Id"]}
 
 
+async def test_events_that_arrive_together_leave_as_one_chunk(joining: LiveGateway) -> None:
+    """The echo worker writes two tokens per entry: they arrive together and leave as one
+    chunk named by the second (a client resuming from it has both)."""
+    response = await joining.client.post(CHAT, json=chat(max_tokens=3, **STREAM))
+    _role, *deltas, last, _done = events(response.text)
+    assert [d.id for d in deltas] == ["1", "2"]
+    assert [d.data["choices"][0]["delta"]["content"] for d in deltas] == ["c0-0 c0-1 ", "c0-2 "]
+    assert last.id == "3"
+
+
 async def test_n_prompts_times_n_choices_with_usage_counting_each_prompt_once(
-    gateway: LiveGateway,
+    per_event: LiveGateway,
 ) -> None:
+    gateway = per_event
     body = {
         **BODIES[COMPLETIONS],
         "prompt": ["hello", "hello world"],
@@ -101,8 +137,9 @@ async def test_n_prompts_times_n_choices_with_usage_counting_each_prompt_once(
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 async def test_continuous_usage_puts_each_choices_usage_so_far_on_every_chunk(
-    gateway: LiveGateway, path: str
+    per_event: LiveGateway, path: str
 ) -> None:
+    gateway = per_event
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = {**BODIES[path], "n": 2, "max_tokens": 3, "stream": True, "stream_options": options}
     response = await gateway.client.post(path, json=body)
@@ -225,7 +262,8 @@ async def replayed(job: Job) -> AsyncIterator[Sequence[Event]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_repeated_seqs_reach_the_client_once(gateway: LiveGateway, stream: bool) -> None:
+async def test_repeated_seqs_reach_the_client_once(per_event: LiveGateway, stream: bool) -> None:
+    gateway = per_event
     gateway.workers[0].script = replayed
     response = await gateway.client.post(CHAT, json=chat(stream=stream))
     if not stream:

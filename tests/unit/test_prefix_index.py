@@ -85,7 +85,7 @@ def test_same_tokens_same_names_and_chained() -> None:
 
 @pytest.mark.parametrize(("size", "count"), [(4, 3), (16, 2), (1, 1500)])
 def test_names_are_the_chained_tuple_hashes(size: int, count: int) -> None:
-    """The definition workers and gateways share, also past the prebuilt block slices."""
+    """The definition workers and gateways share, at any block size and prompt length."""
     token_ids = tokens(count * size + size - 1)
     name = chain_seed(MODEL, None)
     expected = []
@@ -157,6 +157,35 @@ def test_dead_worker_dropped_and_bit_reused() -> None:
     feed.send("w2", stored(tokens(8, 7000)))
     assert index.match(MODEL, None, tokens(17), ["w2"]) == {}
     assert index.blocks_by_worker() == {"w2": 2}
+
+
+def test_worker_serving_another_model_matches_only_its_new_model() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("w1", stored(tokens(16)))
+    feed.send("w2", stored(tokens(16)))
+    index.drop("w1")
+    assert index.match(MODEL, None, tokens(17), ["w1", "w2"]) == {"w2": 4}
+    feed.seq["w1"] = -1  # back (batch 0), serving "other"
+    feed.send("w1", stored(tokens(16)), model="other")
+    assert index.match(MODEL, None, tokens(17), ["w1", "w2"]) == {"w2": 4}
+    assert index.match("other", None, tokens(17), ["w1", "w2"]) == {"w1": 4}
+
+
+def test_workers_of_another_block_size_are_matched_once_the_old_ones_are_gone() -> None:
+    """A model's fake-engine workers (4-token blocks here) replaced by workers of another
+    engine (8-token blocks): once the old ones are dropped, the new ones' blocks match."""
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("old", stored(tokens(16)))
+    new_blocks = StoredBlocks([50, 51], None, tokens(16), None)
+    index.apply(KvBatch("new", MODEL, 2 * SIZE, 0, [new_blocks]))
+    assert index.match(MODEL, None, tokens(17), ["new"]) == {}  # the model's size is 4
+    index.drop("old")
+    assert index.block_size(MODEL) == 2 * SIZE
+    assert index.match(MODEL, None, tokens(17), ["new"]) == {"new": 2}
+    index.drop("new")
+    assert index.block_size(MODEL) is None
 
 
 def test_gap_drops_blocks_until_the_snapshot() -> None:
@@ -310,6 +339,18 @@ def test_load_outweighs_a_small_hit() -> None:
     assert (placement.worker_id, placement.reason) == ("w1", PlacementReason.LOAD)
 
 
+def test_equal_cost_goes_to_the_least_loaded_then_at_random() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w1", stored(tokens(16)))
+    # each costs 4 blocks: w1 holds the prompt's 4 but has 4 blocks of prefill queued
+    cands = [candidate("w1", queued=16), candidate("w2", waiting=1), candidate("w3")]
+    chosen = {
+        CachePlacer(index, rng=random.Random(seed)).place(request(tokens(17)), cands).worker_id
+        for seed in range(40)
+    }
+    assert chosen == {"w1", "w3"}
+
+
 def test_busy_worker_skipped() -> None:
     index = PrefixIndex()
     Feed(index).send("w2", stored(tokens(16)))
@@ -341,7 +382,7 @@ def test_cache_key_affinity() -> None:
     again = place.place(request(tokens(9, 5000), cache_key="k"), loaded)
     assert (again.worker_id, again.reason) == (first.worker_id, PlacementReason.CACHE_KEY)
     no_key = place.place(request(tokens(9, 5000)), loaded)
-    assert no_key.worker_id == other
+    assert (no_key.worker_id, no_key.reason) == (None, PlacementReason.SHARED)
 
 
 def test_lora_only_on_workers_with_the_adapter() -> None:
@@ -356,11 +397,24 @@ def test_lora_only_on_workers_with_the_adapter() -> None:
 
 
 @pytest.mark.parametrize("token_ids", [None, tokens(17)])
-def test_empty_index_places_by_load(token_ids: list[int] | None) -> None:
+def test_empty_index_leaves_the_job_to_the_pull_queue(token_ids: list[int] | None) -> None:
     placement = placer(PrefixIndex()).place(
         request(token_ids),
         [candidate("w1", running=2), candidate("w2", queued=64), candidate("w3")],
     )
+    assert (placement.worker_id, placement.reason) == (None, PlacementReason.SHARED)
+
+
+def test_a_prefix_every_worker_holds_wins_nothing() -> None:
+    index = PrefixIndex()
+    for worker in ("w1", "w2"):
+        Feed(index).send(worker, stored(tokens(16)))
+    placement = placer(index).place(request(tokens(40)), [candidate("w1"), candidate("w2")])
+    assert (placement.worker_id, placement.reason) == (None, PlacementReason.SHARED)
+
+
+def test_a_lone_free_worker_is_placed_by_load() -> None:
+    placement = placer(PrefixIndex()).place(request(tokens(17)), [candidate("w3")])
     assert (placement.worker_id, placement.reason) == ("w3", PlacementReason.LOAD)
 
 

@@ -14,7 +14,8 @@ still this run's (the *fence*):
 
 Events produced in one pass of the event loop (one engine step) leave in one
 script call, with the acks (``XACK`` + ``XDEL``) of jobs that just finished,
-as one reply-stream entry per gateway holding every event of the step.
+as one reply-stream entry per gateway holding every event of the step. A job's token
+events that pile up while the last call is on its way leave as one event.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -38,6 +39,7 @@ from shared.protocol import (
     ErrorEvent,
     Event,
     GenerateJob,
+    TokenEvent,
     encode_payload,
     without_stored_schema,
 )
@@ -62,6 +64,27 @@ JOURNAL_RETRY_S = 30.0
 """How long a journal write rides out Redis trouble before the journal gives up."""
 
 
+@dataclass(frozen=True, slots=True)
+class RunNames:
+    """A job run's Redis names: its run hash, emitted tokens, the request's sent tally and
+    the count of jobs done on its stream."""
+
+    run: str
+    emitted: str
+    sent: str
+    done: str
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> RunNames:
+        job = delivery.job
+        return cls(
+            run=names.job_run(job.job_id, delivery.role),
+            emitted=names.job_emitted(job.job_id, delivery.role),
+            sent=names.sent_tally(job.request_id),
+            done=names.stream_done_counter(delivery.shared_stream),
+        )
+
+
 @dataclass(slots=True)
 class RunLease:
     """This worker's claim on one job run."""
@@ -76,18 +99,26 @@ class RunLease:
     """Tokens published by earlier runs of this job."""
     first_seq_unix: float | None = None
     """When this run numbered its first event (its first engine output, for tracing)."""
+    _names: RunNames | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def job_id(self) -> str:
         return self.delivery.job.job_id
 
     @property
+    def redis_names(self) -> RunNames:
+        """The Redis names its writes touch (built once: every engine step writes them)."""
+        if self._names is None:
+            self._names = RunNames.of(self.delivery)
+        return self._names
+
+    @property
     def run_key(self) -> str:
-        return names.job_run(self.job_id, self.delivery.role)
+        return self.redis_names.run
 
     @property
     def emitted_key(self) -> str:
-        return names.job_emitted(self.job_id, self.delivery.role)
+        return self.redis_names.emitted
 
     def take_seq(self) -> int:
         if self.first_seq_unix is None:
@@ -107,8 +138,10 @@ class RunJournal:
         on_fenced: Callable[[str], None] = lambda job_id: None,
         retry_for_s: float = JOURNAL_RETRY_S,
         scripts: JournalScripts | None = None,
+        join_tokens: bool = False,
     ) -> None:
         self._redis = redis
+        self._join_tokens = join_tokens
         self._consumer = consumer
         self._run_ttl_ms = int(run_ttl_s * 1000)
         self._on_fenced = on_fenced
@@ -148,8 +181,12 @@ class RunJournal:
     # ------------------------------------------------------------------ writes
 
     def publish(self, lease: RunLease, event: Event, token_ids: list[int]) -> None:
+        """Journal ``event`` (and ``token_ids``, what it adds to the emitted tokens). With
+        ``join_tokens``, a token event that finds the job's last one still waiting to be
+        written joins it (its seq goes back to ``lease``)."""
         writes = self._writes(lease)
-        writes.add(event)
+        if not (self._join_tokens and isinstance(event, TokenEvent) and writes.join(event)):
+            writes.add(event)
         writes.tokens.extend(token_ids)
 
     def fail(self, lease: RunLease, error: ConveyorError) -> None:
@@ -219,7 +256,8 @@ class RunJournal:
             job_count=len(batch),
             sent_ttl_ms=self._run_ttl_ms,
         )
-        rows = [writes.row() for writes in batch]
+        now_ms = int(time.time() * 1000)
+        rows = [writes.row(now_ms) for writes in batch]
         self._sending = batch
         try:
             fenced = await self._retrying(

@@ -97,8 +97,8 @@ for _ = 1, tonumber(job_count) do
   {lua_locals(WriteRow._fields, "i")}
   local first, count = i + {len(WriteRow._fields) + 1}, tonumber(event_count)
   i = i + {len(WriteRow._fields)} + count
-  local stored_seq = tonumber(redis.call('HGET', run, 'seq') or '0')
-  local owner = redis.call('HGET', run, 'owner')
+  local stored = redis.call('HMGET', run, 'seq', 'owner')
+  local stored_seq, owner = tonumber(stored[1] or '0'), stored[2]
   local owned = owner == fence
   if owned and ack_stream == '' and stored_seq >= tonumber(seq_after) then
     -- a retry of a write that already landed (its reply was lost): apply it once
