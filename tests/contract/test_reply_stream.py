@@ -398,7 +398,7 @@ async def test_cancel_and_wait_stops_a_busy_router_every_time(redis_target: Redi
             started = time.monotonic()
             await cancel_and_wait([task], timeout_s=5)
             assert task.cancelled(), f"attempt {attempt}: {task!r}"
-            assert time.monotonic() - started < 1.5
+            assert time.monotonic() - started < 4.0  # not the 5 s give-up
             watchdogs = [
                 t for t in asyncio.all_tasks() if t.get_name() == "reply-watchdog" and not t.done()
             ]

@@ -15,7 +15,7 @@ from tests.e2e.conftest import Running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.redis]
 
-WELL_UNDER_A_SECOND_S = 0.9
+WELL_UNDER_THE_STALE_RECLAIM_S = 10.0
 
 
 def _client(running: Running) -> OpenAI:
@@ -31,7 +31,7 @@ def test_n_128_answers_at_once(running: Running) -> None:
     )
     elapsed = time.monotonic() - started
     assert sorted(choice.index for choice in completion.choices) == list(range(128))
-    assert elapsed < WELL_UNDER_A_SECOND_S, f"n=128 took {elapsed:.2f}s"
+    assert elapsed < WELL_UNDER_THE_STALE_RECLAIM_S, f"n=128 took {elapsed:.2f}s"
 
 
 def test_64_prompts_in_one_completion_request_answer_at_once(running: Running) -> None:
@@ -43,4 +43,4 @@ def test_64_prompts_in_one_completion_request_answer_at_once(running: Running) -
     )
     elapsed = time.monotonic() - started
     assert sorted(choice.index for choice in completion.choices) == list(range(64))
-    assert elapsed < WELL_UNDER_A_SECOND_S, f"64 prompts took {elapsed:.2f}s"
+    assert elapsed < WELL_UNDER_THE_STALE_RECLAIM_S, f"64 prompts took {elapsed:.2f}s"

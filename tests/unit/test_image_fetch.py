@@ -36,9 +36,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/drip":  # a byte at a time, each well within a read timeout
             self.send_response(200)
-            self.send_header("Content-Length", "12")
+            self.send_header("Content-Length", "40")
             self.end_headers()
-            for _ in range(12):
+            for _ in range(40):
                 self.wfile.write(b"0")
                 self.wfile.flush()
                 time.sleep(0.1)
@@ -271,7 +271,7 @@ async def test_a_whole_fetch_has_one_deadline(server: str) -> None:
     started = time.monotonic()
     with pytest.raises(ImageFetchError, match=r"took longer than 0\.5s"):
         await fetcher.fetch(f"{server}/drip")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0  # the whole drip takes 4 s
     await fetcher.aclose()
 
 

@@ -33,7 +33,7 @@ async def test_a_quiet_wait_times_out_after_its_own_timeout() -> None:
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         await inbox.get(0.05)
-    assert 0.04 <= time.monotonic() - started < 1.0
+    assert 0.04 <= time.monotonic() - started < 4.0
 
 
 async def test_the_timer_of_an_earlier_wait_does_not_cut_a_later_one_short() -> None:

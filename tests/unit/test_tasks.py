@@ -33,7 +33,7 @@ async def test_done_tasks_and_no_tasks_return_at_once() -> None:
     started = time.monotonic()
     await cancel_and_wait([finished])
     await cancel_and_wait([])
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 5  # not the 10 s give-up
     assert finished.result() == "ok"
 
 
@@ -43,7 +43,7 @@ async def test_many_tasks_are_stopped_together() -> None:
     started = time.monotonic()
     await cancel_and_wait(tasks)
     assert all(task.cancelled() for task in tasks)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 5  # not the tasks' 10 s sleep
 
 
 async def test_gives_up_after_the_timeout_without_raising() -> None:
@@ -58,7 +58,7 @@ async def test_gives_up_after_the_timeout_without_raising() -> None:
     await asyncio.sleep(0)  # inside its loop (a task cancelled before it starts just ends)
     started = time.monotonic()
     await cancel_and_wait([immortal], timeout_s=0.3)
-    assert 0.25 < time.monotonic() - started < 2.0
+    assert 0.25 < time.monotonic() - started < 5.0
     assert not immortal.done()
     release.set()
     immortal.cancel()

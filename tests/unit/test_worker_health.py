@@ -123,7 +123,7 @@ async def test_canary_marks_the_worker_not_ready_while_the_engine_hangs() -> Non
     engine.hang = True
     started = time.monotonic()
     assert await probe.probe() is False
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 5  # the probe's timeout ends it, not the hang
     assert probe.healthy is False
 
     engine.hang = False

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 
 import msgspec
 import pytest
@@ -365,9 +364,8 @@ async def test_a_burst_of_jobs_in_one_read_starts_on_a_few_connections(
     async with worker(target, FakeEngine(tokens=2), max_slots=64) as w:
         jobs = [make_job("burst", index=i, max_tokens=2) for i in range(64)]
         await w.submit(*jobs)
-        started = time.monotonic()
-        await w.final_events("burst", sequences=64, timeout_s=5.0)
-        assert time.monotonic() - started < 2.0
+        # Bounded well under the 30 s stale-entry reclaim that the old code waited for.
+        await w.final_events("burst", sequences=64, timeout_s=10.0)
         await w.drained()
     await small_pool.aclose()
 
@@ -384,9 +382,9 @@ async def test_a_start_that_fails_is_tried_again_at_once(redis_target: RedisTarg
         return scripts
 
     async with worker(redis_target, FakeEngine(tokens=2), scripts=flaky_begins) as w:
-        started = time.monotonic()
         await w.submit(make_job("flaky", max_tokens=2))
-        await w.final_events("flaky", timeout_s=3.0)
+        # Bounded well under the 30 s stale-entry reclaim.
+        events = await w.final_events("flaky", timeout_s=10.0)
         assert faulty[0].fail_begins == []  # both failures happened
-        assert time.monotonic() - started < 1.0
+        assert events[-1].attempt == 0  # started again by the worker, not reclaimed
         await w.drained()
