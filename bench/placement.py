@@ -189,8 +189,16 @@ def measure_round(bench: Bench, number: int, server: ManagedServer, into: Varian
     summary = summarize(results, took, bench.tokenize, bench.args.block_tokens)
     into.rounds.append(summary)
     counts = placement_counts(server.base_url)
-    placed = ", ".join(f"{k} {v - into.placed.get(k, 0):.0f}" for k, v in sorted(counts.items()))
+    placed = ", ".join(
+        f"{k} {v - into.placed.get(k, 0):.0f}"
+        for k, v in sorted(counts.items())
+        if k != MATCHED_BLOCKS
+    )
+    predicted = (counts.get(MATCHED_BLOCKS, 0) - into.placed.get(MATCHED_BLOCKS, 0)) * (
+        bench.args.block_tokens
+    )
     into.placed = counts
+    missed = ", ".join(f"{turn}: {tokens}" for turn, tokens in summary.missed_by_turn.items())
     print(
         f"  {server.name} round {number + 1}/{bench.args.rounds}: {summary.completed}/"
         f"{summary.turns} turns in {took:.1f}s, TTFT p50 {summary.ttft_p50_ms:.0f} ms, "
@@ -198,10 +206,20 @@ def measure_round(bench: Bench, number: int, server: ManagedServer, into: Varian
         f"placed: {placed or 'nothing counted'}",
         flush=True,
     )
+    if counts:
+        print(
+            f"    cached tokens {summary.cached_tokens} (the gateway predicted {predicted:.0f}), "
+            f"ideal {summary.ideal_cached_tokens}; ideal minus cached by turn: {missed}",
+            flush=True,
+        )
+
+
+MATCHED_BLOCKS = "matched blocks"
 
 
 def placement_counts(base_url: str) -> dict[str, float]:
-    """The gateway's placements so far by reason, and its workers' steals (from /metrics)."""
+    """The gateway's placements so far by reason, its workers' steals, and the prompt blocks
+    it found cached where it placed (from /metrics)."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -213,6 +231,8 @@ def placement_counts(base_url: str) -> dict[str, float]:
                 key = sample.labels["reason"]
             elif sample.name == "conveyor_worker_steals_total":
                 key = "steals"
+            elif sample.name == "conveyor_placement_matched_blocks_sum":
+                key = MATCHED_BLOCKS
             else:
                 continue
             counts[key] = counts.get(key, 0) + sample.value

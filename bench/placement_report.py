@@ -41,6 +41,9 @@ class RoundSummary:
     token_count_mismatches: int
     """Turns whose prompt, tokenized here, is not ``usage.prompt_tokens`` long."""
     error_samples: list[str]
+    missed_by_turn: dict[int, int] = field(default_factory=dict)
+    """Turn number (1 = a conversation's first) -> ideal minus cached tokens: where the
+    fleet's caches fell short of one infinite cache."""
 
 
 def summarize(
@@ -84,7 +87,18 @@ def summarize(
         usage_without_cached=sum(results[i].cached_tokens is None for i in good),
         token_count_mismatches=sum(results[i].prompt_tokens != len(prompts[i]) for i in good),
         error_samples=errors[:MAX_ERROR_SAMPLES],
+        missed_by_turn=_missed_by_turn(results, good, ideal_all),
     )
+
+
+def _missed_by_turn(
+    results: Sequence[TurnResult], good: Sequence[int], ideal: Sequence[int]
+) -> dict[int, int]:
+    missed: dict[int, int] = {}
+    for i in good:
+        turn = results[i].turn + 1
+        missed[turn] = missed.get(turn, 0) + ideal[i] - (results[i].cached_tokens or 0)
+    return dict(sorted(missed.items()))
 
 
 @dataclass(slots=True)
