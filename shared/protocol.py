@@ -150,6 +150,9 @@ class GenerateJob(
     traceparent: str | None = None
     """The request's W3C trace context (its gateway span): a worker's spans for this job
     join that trace (shared/tracing). None: the gateway does not trace."""
+    cached_tokens: int = 0
+    """The prompt tokens the gateway found cached on the worker it placed the job on (0:
+    not placed by cache): that worker counts only the rest as its queued prefill."""
 
     @property
     def job_id(self) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -177,6 +178,8 @@ class Dispatcher:
             else:
                 stream, role, jobs = self._generate_jobs(plan, work)
                 placement = self._place(plan, work, role)
+                if placement is not None and placement.cached_tokens:
+                    jobs = _expecting_cached(jobs, placement.cached_tokens)
             return await self._enqueue(stream, jobs, plan, placement)
         except BaseException as exc:
             self.release_images(plan)
@@ -517,3 +520,14 @@ def _raise_refusal(outcome: Admission, detail: str, model: str, retry_after_s: i
         "it is not queued twice",
         param="Idempotency-Key",
     )
+
+
+def _expecting_cached(jobs: list[Job], cached_tokens: int) -> list[Job]:
+    """The jobs, each telling the worker it was placed on how much of its prompt that
+    worker holds (its queued prefill then counts only the rest)."""
+    return [
+        msgspec.structs.replace(job, cached_tokens=cached_tokens)
+        if isinstance(job, GenerateJob)
+        else job
+        for job in jobs
+    ]

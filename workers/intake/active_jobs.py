@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from shared.protocol import EmbedJob, GenerateJob
 from workers.journal.run_journal import RunLease
 from workers.roles.base import JobRun
 
@@ -57,9 +58,11 @@ class ActiveJobs:
         return leasing + len(self._runs) - len(self._in_engine & self._runs.keys())
 
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens of the jobs here that have not sent anything yet."""
+        """Prompt tokens of the jobs here that have not sent anything yet, less those the
+        gateway found cached here when it placed them (a multi-turn prompt is mostly
+        cached: counting all of it made a worker look busier than it was)."""
         return sum(
-            len(run.lease.delivery.job.prompt_token_ids)
+            _uncached(run.lease.delivery.job)
             for job_id, (run, _) in self._runs.items()
             if run.lease.next_seq == self._first_seq.get(job_id)
         )
@@ -205,3 +208,9 @@ class Lifecycle:
     def busy(self) -> bool:
         """Running jobs or stopping: no time for a canary."""
         return bool(len(self._jobs)) or self.stopping
+
+
+def _uncached(job: GenerateJob | EmbedJob) -> int:
+    if isinstance(job, EmbedJob):
+        return len(job.prompt_token_ids)
+    return max(0, len(job.prompt_token_ids) - job.cached_tokens)
