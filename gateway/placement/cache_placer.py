@@ -98,18 +98,37 @@ class CachePlacer:
         placement = self._decide(request, candidates)
         if request.cache_key is not None and placement.worker_id is not None:
             self._remember(request.model, request.cache_key, placement.worker_id)
-        log.debug(
-            "placed a %s job of %s%s on %s: %s, %d blocks cached there",
-            request.role,
-            request.model,
-            "" if request.lora is None else f" ({request.lora})",
-            placement.worker_id or "the shared stream",
-            placement.reason,
-            placement.matched_blocks,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "placed a %s job of %s%s on %s: %s, %d blocks cached there; %s",
+                request.role,
+                request.model,
+                "" if request.lora is None else f" ({request.lora})",
+                placement.worker_id or "the shared stream",
+                placement.reason,
+                placement.matched_blocks,
+                self._candidates_seen(request, candidates),
+            )
         if self._on_placed is not None:
             self._on_placed(request, placement)
         return placement
+
+    def _candidates_seen(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> str:
+        """What the decision weighed, per candidate (DEBUG only: it matches the prompt
+        again): prompt blocks held, running and waiting jobs, queued prefill tokens, free
+        slots, and whether it was busy."""
+        tokens = request.prompt_token_ids or ()
+        ids = [c.worker_id for c in candidates]
+        held = self.index.match(request.model, request.lora, tokens, ids) if tokens else {}
+        return "candidates: " + (
+            ", ".join(
+                f"{c.worker_id} (blocks {held.get(c.worker_id, 0)}, running {c.running}, "
+                f"waiting {c.waiting}, queued prefill {c.queued_prefill_tokens}, "
+                f"free {c.free_slots}{', busy' if self.policy.busy(c) else ''})"
+                for c in candidates
+            )
+            or "none"
+        )
 
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
         lora = request.lora

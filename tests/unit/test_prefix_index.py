@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -498,3 +499,16 @@ def test_walk_stops_where_the_full_naming_says(
         if run:
             expected[worker_id] = run
     assert index.match(MODEL, None, token_ids, sorted(held)) == expected
+
+
+def test_the_debug_line_shows_what_each_candidate_held_and_carried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    with caplog.at_level(logging.DEBUG, logger="gateway.placement.cache_placer"):
+        placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", running=2)])
+    line = caplog.records[-1].getMessage()
+    assert "on w2: cache, 4 blocks cached there" in line
+    assert "w1 (blocks 0, running 0" in line
+    assert "w2 (blocks 4, running 2" in line
