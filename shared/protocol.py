@@ -158,6 +158,11 @@ class GenerateJob(
     def job_id(self) -> str:
         return f"{self.request_id}/{self.index}"
 
+    @property
+    def uncached_tokens(self) -> int:
+        """The prompt tokens its worker has to compute, as far as the gateway knew."""
+        return max(0, len(self.prompt_token_ids) - self.cached_tokens)
+
 
 class EmbedJob(
     msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag_field="kind", tag="embed"
@@ -179,6 +184,11 @@ class EmbedJob(
     @property
     def job_id(self) -> str:
         return f"{self.request_id}/{self.index}"
+
+    @property
+    def uncached_tokens(self) -> int:
+        """As :attr:`GenerateJob.uncached_tokens` (an embedding job is never placed)."""
+        return len(self.prompt_token_ids)
 
 
 Job = GenerateJob | EmbedJob

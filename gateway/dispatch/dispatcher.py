@@ -370,8 +370,7 @@ class Dispatcher:
         """Count the jobs on the worker they were placed on until its next load report: their
         prompt tokens that worker has not cached are its queued prefill."""
         if result.placed_on is not None:
-            cached = placement.cached_tokens if placement is not None else 0
-            prompt_tokens = sum(max(0, len(job.prompt_token_ids) - cached) for job in jobs)
+            prompt_tokens = sum(job.uncached_tokens for job in jobs)
             self._directory.note_placed(result.placed_on, len(jobs), prompt_tokens)
         elif placement is not None and placement.worker_id is not None:
             log.debug(

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from shared.protocol import EmbedJob, GenerateJob
 from workers.journal.run_journal import RunLease
 from workers.roles.base import JobRun
 
@@ -62,7 +61,7 @@ class ActiveJobs:
         gateway found cached here when it placed them (a multi-turn prompt is mostly
         cached: counting all of it made a worker look busier than it was)."""
         return sum(
-            _uncached(run.lease.delivery.job)
+            run.lease.delivery.job.uncached_tokens
             for job_id, (run, _) in self._runs.items()
             if run.lease.next_seq == self._first_seq.get(job_id)
         )
@@ -208,9 +207,3 @@ class Lifecycle:
     def busy(self) -> bool:
         """Running jobs or stopping: no time for a canary."""
         return bool(len(self._jobs)) or self.stopping
-
-
-def _uncached(job: GenerateJob | EmbedJob) -> int:
-    if isinstance(job, EmbedJob):
-        return len(job.prompt_token_ids)
-    return max(0, len(job.prompt_token_ids) - job.cached_tokens)
