@@ -408,6 +408,14 @@ class GatewaySettings(ImageSettings):
         ge=0,
         description="Cache-aware placement: weight of a worker's running sequences in its cost.",
     )
+    placement_queue_weight: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Cache-aware placement: weight of a worker's queued prefill relative to "
+        "the job's own uncached blocks (below 1: a cache miss, which every later job on "
+        "that worker waits for, counts more than a queue this job alone waits behind).",
+    )
     placement_busy_waiting: int = Field(
         2,
         ge=1,
@@ -420,6 +428,13 @@ class GatewaySettings(ImageSettings):
         le=1,
         description="Cache-aware placement: a worker whose KV cache is this full (0-1) is "
         "busy and never chosen.",
+    )
+    placement_pending_s: float = Field(
+        10.0,
+        ge=0,
+        description="Cache-aware placement: how long the prompt blocks of a job a worker "
+        "has just started count as held by that worker before its engine reports them "
+        "stored (0: only what engines report).",
     )
     placement_index_max_blocks: int = Field(
         1_000_000,

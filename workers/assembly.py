@@ -8,10 +8,12 @@ journal scripts that fail, the timing of the loops, a table of recent cancels).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from shared.protocol import GenerateJob, Job
 from shared.queue import names
 from shared.queue.job_queue import JobQueue, JobStream
 from shared.queue.kv_events import KvEventWriter
@@ -45,6 +47,9 @@ from workers.journal.run_journal import JOURNAL_RETRY_S, RunJournal
 from workers.journal.scripts import JournalScripts
 from workers.roles.base import RoleParts
 from workers.runtime import Helper, WorkerRuntime
+
+CACHING_ROLES = (Role.AGGREGATED, Role.PREFILL)
+"""Roles whose jobs compute their prompt's KV blocks (announced to the gateways)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +135,7 @@ def build_worker(
     recent = recent_cancels or RecentCancels()
     gateways = GatewayWatch(redis, grace_s=policy.gateway_liveness_ttl_s)
     canary = Canary(parts.probe, idle_s=policy.canary_idle_s)
+    kv_events = _kv_event_forwarder(parts, redis, worker_id, model, policy)
     own_streams = WorkerStreams(redis, queue) if policy.placement else None
     placed = (
         None
@@ -146,7 +152,7 @@ def build_worker(
         lifecycle=lifecycle,
         new_run=parts.new_run,
         recent_cancels=recent,
-        on_start=canary.note_activity,
+        on_start=_on_start(canary, kv_events if role in CACHING_ROLES else None),
         runs_traced=RunTracer(tracer, worker_id) if tracer is not None else None,
     )
     adapters = LoraReconciler(
@@ -220,7 +226,6 @@ def build_worker(
         "janitor": janitor.run,
         "canary": lambda: canary.run(lifecycle.busy),
     }
-    kv_events = _kv_event_forwarder(parts, redis, worker_id, model, policy)
     if kv_events is not None:
         helpers["kv-events"] = kv_events.run
     return WorkerRuntime(
@@ -234,6 +239,27 @@ def build_worker(
         shutdown_grace_s=policy.shutdown_grace_s,
         startup=lambda: adapters.start(lambda: lifecycle.stopping),
     )
+
+
+def _on_start(canary: Canary, kv_events: KvEventForwarder | None) -> Callable[[Job], None]:
+    """What a job's start tells the canary (the worker is in use) and, where the engine's
+    cache is indexed, the gateways (the blocks its prompt is about to fill)."""
+    if kv_events is None:
+        return lambda _job: canary.note_activity()
+
+    def started(job: Job) -> None:
+        canary.note_activity()
+        if isinstance(job, GenerateJob) and announceable(job):
+            kv_events.announce(job.prompt_token_ids, job.adapter, job.cached_tokens)
+
+    return started
+
+
+def announceable(job: GenerateJob) -> bool:
+    """Whether the job's prompt blocks are named by their tokens alone (what the engine
+    hashes with images or a cache salt is never indexed) and computed here (a decode job's
+    arrive with its handoff)."""
+    return job.handoff is None and not job.images and job.sampling.cache_salt is None
 
 
 def _kv_event_forwarder(

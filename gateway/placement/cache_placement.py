@@ -16,6 +16,7 @@ from shared.queue.liveness import WorkerRegistry
 
 class CachePlacementSettings(PlacementSettings, Protocol):
     placement_index_max_blocks: int
+    placement_pending_s: float
     heartbeat_ttl_s: float
 
 
@@ -31,7 +32,9 @@ def build_cache_placement(
     settings: CachePlacementSettings, redis: aioredis.Redis, *, on_placed: OnPlaced | None = None
 ) -> CachePlacement:
     """The index of the workers on ``redis``, fed from its KV event stream, and its placer."""
-    index = PrefixIndex(max_blocks=settings.placement_index_max_blocks)
+    index = PrefixIndex(
+        max_blocks=settings.placement_index_max_blocks, pending_s=settings.placement_pending_s
+    )
     registry = WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s)
     feeder = IndexFeeder(KvEventReader(redis), index, registry)
     placer = CachePlacer(index, CostPolicy.from_settings(settings), on_placed=on_placed)

@@ -2,7 +2,8 @@
 
 For each candidate, Dynamo's default cost form::
 
-    cost = prefill_weight x (prompt blocks it does not hold + its queued prefill, in blocks)
+    cost = prefill_weight x (prompt blocks it does not hold
+                             + queue_weight x its queued prefill, in blocks)
          + decode_weight x (sequences it runs)
 
 lowest wins (ties: the least loaded, then at random). A busy worker (no free slot, too
@@ -42,6 +43,7 @@ CACHE_KEYS_MAX = 65_536
 class PlacementSettings(Protocol):
     placement_prefill_weight: float
     placement_decode_weight: float
+    placement_queue_weight: float
     placement_busy_waiting: int
     placement_busy_kv_usage: float
 
@@ -50,6 +52,8 @@ class PlacementSettings(Protocol):
 class CostPolicy:
     prefill_weight: float = 1.0
     decode_weight: float = 1.0
+    queue_weight: float = 1.0
+    """A worker's queued prefill blocks, against the job's own uncached ones."""
     busy_waiting: int = 2
     """A worker holding this many jobs not started yet is busy."""
     busy_kv_usage: float = 0.95
@@ -69,6 +73,7 @@ class CostPolicy:
         return cls(
             prefill_weight=settings.placement_prefill_weight,
             decode_weight=settings.placement_decode_weight,
+            queue_weight=settings.placement_queue_weight,
             busy_waiting=settings.placement_busy_waiting,
             busy_kv_usage=settings.placement_busy_kv_usage,
         )
@@ -163,11 +168,12 @@ class CachePlacer:
     ) -> Candidate:
         """The candidate of least cost; ties: the least loaded, then at random (this runs
         for every request: one list of costs, at most one random draw)."""
-        prefill, decode = self.policy.prefill_weight, self.policy.decode_weight
+        policy = self.policy
+        prefill, decode, queue = policy.prefill_weight, policy.decode_weight, policy.queue_weight
         held = matched.get
         costs = [
             # uncached blocks plus queued prefill in blocks (rounded up), running sequences
-            prefill * (blocks - held(c.worker_id, 0) - c.queued_prefill_tokens // -size)
+            prefill * (blocks - held(c.worker_id, 0) - queue * (c.queued_prefill_tokens // -size))
             + decode * c.running
             for c in free
         ]

@@ -6,6 +6,8 @@ A worker whose batch cannot be applied (one was lost, or the gateway started aft
 stream's oldest entries were trimmed) is rebuilt from its snapshot: at once if the
 snapshot is recent enough, else at its next one. Dead workers (liveness key expired)
 are dropped every ``dead_check_s``; a worker that leaves says so on the stream.
+Blocks workers announce as coming count as theirs until the index expires them, checked
+after every read (a read waits at most ``block_ms``).
 After a Redis error it starts over (snapshots, then the stream from its start):
 batches already applied are recognized by their numbers.
 """
@@ -20,7 +22,13 @@ from redis.exceptions import RedisError
 
 from gateway.placement.prefix_index import PrefixIndex
 from shared.connections.connect import MAX_BLOCK_MS
-from shared.queue.kv_events import KvBatch, KvEventReader, SnapshotWritten, WorkerLeft
+from shared.queue.kv_events import (
+    KvBatch,
+    KvEventReader,
+    PendingBlocks,
+    SnapshotWritten,
+    WorkerLeft,
+)
 from shared.queue.liveness import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -66,10 +74,15 @@ class IndexFeeder:
                 last = entry_id
                 self.entries += 1
                 await self.apply(entry)
+            self.index.expire(time.monotonic())
             await self._drop_dead()
 
-    async def apply(self, entry: KvBatch | SnapshotWritten | WorkerLeft | None) -> None:
-        if isinstance(entry, KvBatch):
+    async def apply(
+        self, entry: KvBatch | SnapshotWritten | WorkerLeft | PendingBlocks | None
+    ) -> None:
+        if isinstance(entry, PendingBlocks):
+            self.index.pending(entry, time.monotonic())
+        elif isinstance(entry, KvBatch):
             if not self.index.apply(entry) and entry.worker_id not in self._awaiting_notice:
                 await self._rebuild(entry.worker_id, entry)
         elif isinstance(entry, SnapshotWritten):

@@ -11,18 +11,24 @@ it, ~100 bytes) plus one per (worker, block) in the workers' maps (~100 bytes); 
 indexed blocks about 20 MB (``python -m bench.placement_cost`` measures it).
 ``max_blocks`` bounds the names: past it new blocks are not indexed (fewer matches,
 never a wrong one).
+
+Blocks a worker announced as coming (a job that will prefill them started there) count
+as held by it (:meth:`PrefixIndex.pending`) until its engine's events store them or
+``pending_s`` passes, whichever is first: a request sent while its prefix is still being
+prefilled can follow it instead of prefilling it again elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
 from shared.block_hashes import EngineBlockMap, blocks_of, chain_seed, prompt_blocks
-from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot
+from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot, PendingBlocks
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +39,20 @@ class _Worker:
     blocks: EngineBlockMap
     seq: int | None
     """The last batch applied; None: a batch was lost, the blocks wait for a snapshot."""
+    pending: dict[int, float] = field(default_factory=dict)
+    """Names of blocks announced as coming, not stored yet -> when the claim expires."""
+
+
+PENDING_S = 10.0
+"""How long an announced block counts as held before its engine reports it."""
 
 
 class PrefixIndex:
-    def __init__(self, *, max_blocks: int = 1_000_000) -> None:
+    def __init__(self, *, max_blocks: int = 1_000_000, pending_s: float = PENDING_S) -> None:
         self.max_blocks = max_blocks
+        self.pending_s = pending_s
+        self._expiries: deque[tuple[float, str, list[int]]] = deque()
+        """Announcements in the order they expire: (when, worker, names)."""
         self._holders: dict[int, int] = {}
         """Block name -> bit mask of the workers holding it."""
         self._workers: dict[str, _Worker] = {}
@@ -67,6 +82,10 @@ class PrefixIndex:
             worker_id: -1 if worker.seq is None else len(worker.blocks)
             for worker_id, worker in self._workers.items()
         }
+
+    def pending_blocks(self) -> int:
+        """Announced blocks counted as held, not stored yet (summed over workers)."""
+        return sum(len(worker.pending) for worker in self._workers.values())
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -142,6 +161,48 @@ class PrefixIndex:
         worker.seq = batch.seq
         return True
 
+    def pending(self, announced: PendingBlocks, now: float) -> None:
+        """Count the announced blocks as held by their worker until ``now + pending_s``
+        (a worker not indexed, or waiting for its snapshot, is left as it is)."""
+        worker = self._workers.get(announced.worker_id)
+        if worker is None or worker.seq is None:
+            return
+        until = now + self.pending_s
+        mask = 1 << worker.bit
+        holders = self._holders
+        claimed = []
+        for name in announced.names:
+            if name in worker.pending:
+                worker.pending[name] = until
+            elif holders.get(name, 0) & mask:
+                continue  # stored already
+            elif len(holders) >= self.max_blocks and name not in holders:
+                self._full()
+                continue
+            else:
+                holders[name] = holders.get(name, 0) | mask
+                worker.pending[name] = until
+            claimed.append(name)
+        if claimed:
+            self._expiries.append((until, announced.worker_id, claimed))
+
+    def expire(self, now: float) -> None:
+        """Drop the announced blocks whose engine has not stored them in time."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, worker_id, names = expiries.popleft()
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                continue
+            pending = worker.pending
+            gone = []
+            for name in names:
+                until = pending.get(name)
+                if until is not None and until <= now:
+                    del pending[name]
+                    gone.append(name)
+            self._unset(worker, gone)
+
     def load(self, snapshot: KvSnapshot) -> bool:
         """Rebuild a worker from its snapshot, unless what is applied already is newer."""
         worker = self._workers.get(snapshot.worker_id)
@@ -158,6 +219,7 @@ class PrefixIndex:
         if worker is None:
             return
         self._unset(worker, worker.blocks.clear())
+        self._unset(worker, list(worker.pending))
         self._forget_mask(worker.blocks.model, worker_id)
         self._free_bits.append(worker.bit)
 
@@ -168,6 +230,7 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         if worker is not None:
             self._unset(worker, worker.blocks.clear())
+            self._unset(worker, list(worker.pending))
             self._forget_mask(worker.blocks.model, worker_id)
         known = self._block_size.setdefault(model, block_size)
         if known != block_size:
@@ -206,6 +269,9 @@ class PrefixIndex:
     def _apply_event(self, worker: _Worker, event: KvEvent) -> None:
         added, removed = worker.blocks.apply(event)
         self._unset(worker, removed)
+        if worker.pending:  # stored now: no longer a claim that expires
+            for name in added:
+                worker.pending.pop(name, None)
         self._set(worker, added)
 
     def _set(self, worker: _Worker, names: list[int]) -> None:

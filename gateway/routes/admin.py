@@ -181,16 +181,23 @@ def _pools(state: GatewayState) -> dict[str, dict[Role, int]]:
 
 def _placement_index(state: GatewayState) -> dict[str, Any]:
     """The prefix index of each Redis's workers: blocks indexed per worker (-1: waiting
-    for its snapshot after lost KV events), distinct blocks, gaps seen."""
+    for its snapshot after lost KV events), distinct blocks, blocks announced as coming
+    and not stored yet, gaps seen."""
     workers: dict[str, int] = {}
-    blocks = gaps = 0
+    blocks = pending = gaps = 0
     for cell in state.cells.all():
         if cell.placement is not None:
             index = cell.placement.index
             workers.update(index.blocks_by_worker())
             blocks += index.blocks()
+            pending += index.pending_blocks()
             gaps += index.gaps
-    return {"workers": dict(sorted(workers.items())), "blocks": blocks, "gaps": gaps}
+    return {
+        "workers": dict(sorted(workers.items())),
+        "blocks": blocks,
+        "pending": pending,
+        "gaps": gaps,
+    }
 
 
 def _group_by(value: str | None) -> GroupBy | None:

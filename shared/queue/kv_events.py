@@ -13,6 +13,9 @@ never travel here):
   Conveyor's name)`` pairs, at most :data:`SNAPSHOT_MAX_BLOCKS`) as of batch ``seq``. A
   reader that lost a batch reads it and goes on from there.
 * :class:`WorkerLeft`: the worker stopped; its blocks are gone.
+* :class:`PendingBlocks`: a job that will prefill these blocks has just started on the
+  worker (unnumbered: a hint, which a gateway counts as held until its engine's own
+  events confirm it or it expires; one lost costs a placement, never a batch).
 
 A snapshot key lives :data:`SNAPSHOT_TTL_INTERVALS` snapshot intervals, rewritten or
 renewed every interval, so a dead worker's snapshot soon expires.
@@ -76,7 +79,14 @@ class WorkerLeft(msgspec.Struct, frozen=True, array_like=True, tag="l"):
     worker_id: str
 
 
-Entry = KvBatch | SnapshotWritten | WorkerLeft
+class PendingBlocks(msgspec.Struct, frozen=True, array_like=True, tag="p"):
+    worker_id: str
+    names: list[int]
+    """Conveyor's names (shared/block_hashes.py) of the prompt blocks the job will compute
+    there, in chain order (those the gateway already found cached there left out)."""
+
+
+Entry = KvBatch | SnapshotWritten | WorkerLeft | PendingBlocks
 
 
 class KvSnapshot(msgspec.Struct, frozen=True, array_like=True):
@@ -105,6 +115,13 @@ class KvEventWriter:
 
     async def publish(self, batch: KvBatch) -> None:
         await self._add(batch)
+
+    async def announce(self, pending: list[PendingBlocks]) -> None:
+        """Jobs' blocks to come, in one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for entry in pending:
+                self._xadd(pipe, entry)
+            await pipe.execute()
 
     async def write_snapshot(self, snapshot: KvSnapshot, ttl_s: float) -> None:
         """Store the snapshot, then announce it, in one step."""

@@ -191,3 +191,35 @@ async def test_a_failing_engine_feed_takes_the_worker_out_of_the_index(
     for _, entry in await KvEventReader(redis_backend).read(b"0-0", block_ms=10):
         await reader.apply(entry)
     assert forwarder.batches == 1 and index.blocks_by_worker() == {}
+
+
+async def test_a_started_job_is_indexed_as_coming_until_its_engine_stores_it(
+    redis_backend: aioredis.Redis,
+) -> None:
+    await alive(redis_backend, "w1")
+    engine = Engine()
+    forwarder = KvEventForwarder(
+        KvEventWriter(redis_backend, "w1"), engine.feed(), MODEL, snapshot_s=60
+    )
+    index = PrefixIndex(pending_s=60)
+    async with running(forwarder.run(), feeder(redis_backend, index).run()):
+        await engine.steps.put([stored(0, 1)])  # indexes the worker (its first batch)
+
+        async def one() -> bool:
+            return matched(index) == 1
+
+        await eventually(one, what="the first block stored")
+        forwarder.announce(PROMPT, None, cached_tokens=SIZE)
+
+        async def coming() -> bool:
+            return matched(index) == 4 and index.pending_blocks() == 3
+
+        await eventually(coming, what="the started job's 3 uncached blocks counted as held")
+        await engine.steps.put([stored(1, 3)])
+
+        async def stored_now() -> bool:
+            return matched(index) == 4 and index.pending_blocks() == 0
+
+        await eventually(stored_now, what="the stored blocks no longer pending")
+        index.expire(float("inf"))
+        assert matched(index) == 4  # what the engine stored does not expire

@@ -26,6 +26,11 @@ def _indexed_blocks(running: Running) -> int:
     return sum(max(0, blocks) for blocks in state["placement_index"]["workers"].values())
 
 
+def _pending_blocks(running: Running) -> int:
+    state = httpx.get(f"{running.base_url}/admin/state", timeout=5).json()
+    return int(state["placement_index"]["pending"])
+
+
 def _placement_figures(running: Running) -> dict[str, float]:
     """Cache placements and the prompt blocks found where jobs were placed, so far."""
     text = httpx.get(f"{running.base_url}/metrics", timeout=5).text
@@ -62,9 +67,10 @@ def test_a_repeated_prompt_is_placed_by_cache_and_vllm_serves_what_was_predicted
     before_blocks = _indexed_blocks(running)
     client.completions.create(model=running.model, prompt=prompt, max_tokens=1)
     eventually_sync(
-        lambda: _indexed_blocks(running) >= before_blocks + 3,
-        timeout_s=20,
-        what="the first answer's blocks in the index",
+        lambda: _indexed_blocks(running) >= before_blocks + 3 and _pending_blocks(running) == 0,
+        timeout_s=5,  # well within the 10 s an announced block counts before it expires
+        what="the first answer's blocks in the index, every block the worker announced "
+        "as coming stored under the same name by vLLM",
     )
     before = _placement_figures(running)
     again = client.completions.create(model=running.model, prompt=prompt, max_tokens=1)

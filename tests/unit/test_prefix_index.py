@@ -18,6 +18,7 @@ from shared.queue.kv_events import (
     KvBatch,
     KvEvent,
     KvSnapshot,
+    PendingBlocks,
     RemovedBlocks,
     StoredBlocks,
 )
@@ -313,6 +314,73 @@ def test_a_removed_block_is_never_matched(script: list[tuple[str, int, int]], re
     assert matched <= removed  # blocks from ``removed`` on never match
 
 
+# ---------------------------------------------------------------------- pending
+
+
+def coming(worker_id: str, token_ids: list[int], lora: str | None = None) -> PendingBlocks:
+    return PendingBlocks(worker_id, block_names(token_ids, SIZE, chain_seed(MODEL, lora)))
+
+
+def test_announced_blocks_match_until_they_expire() -> None:
+    index = PrefixIndex(pending_s=5)
+    feed = Feed(index)
+    feed.send("a", stored(tokens(4)))
+    index.pending(coming("a", tokens(16)), now=100)
+    assert index.match(MODEL, None, tokens(17), ["a"]) == {"a": 4}
+    assert index.pending_blocks() == 3  # the stored first block is not claimed again
+    index.expire(104.9)
+    assert index.match(MODEL, None, tokens(17), ["a"]) == {"a": 4}
+    index.expire(105)
+    assert index.match(MODEL, None, tokens(17), ["a"]) == {"a": 1}
+    assert index.pending_blocks() == 0
+
+
+def test_stored_blocks_end_their_claim_and_do_not_expire() -> None:
+    index = PrefixIndex(pending_s=5)
+    feed = Feed(index)
+    feed.send("a", stored(tokens(4)))
+    index.pending(coming("a", tokens(16)), now=100)
+    feed.send("a", stored(tokens(12, 1004), first=1, parent=0))
+    assert index.pending_blocks() == 0
+    index.expire(200)
+    assert index.match(MODEL, None, tokens(17), ["a"]) == {"a": 4}
+
+
+def test_an_announcement_again_renews_the_claim() -> None:
+    index = PrefixIndex(pending_s=5)
+    Feed(index).send("a", ClearedBlocks())
+    index.pending(coming("a", tokens(8)), now=100)
+    index.pending(coming("a", tokens(8)), now=103)
+    index.expire(106)
+    assert index.match(MODEL, None, tokens(9), ["a"]) == {"a": 2}
+    index.expire(108)
+    assert index.match(MODEL, None, tokens(9), ["a"]) == {}
+
+
+def test_announcements_of_unknown_or_lost_workers_are_ignored() -> None:
+    index = PrefixIndex()
+    index.pending(coming("a", tokens(8)), now=0)
+    assert index.pending_blocks() == 0
+    Feed(index).send("b", ClearedBlocks())
+    index.apply(KvBatch("b", MODEL, SIZE, 5, []))  # a gap: b waits for its snapshot
+    index.pending(coming("b", tokens(8)), now=0)
+    assert index.pending_blocks() == 0
+
+
+def test_a_dropped_or_restarted_worker_loses_its_claims() -> None:
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send("a", ClearedBlocks())
+    feed.send("b", ClearedBlocks())
+    index.pending(coming("a", tokens(8)), now=0)
+    index.pending(coming("b", tokens(8)), now=0)
+    index.drop("a")
+    index.load(KvSnapshot("b", MODEL, SIZE, 3, []))  # b rebuilt from its snapshot
+    assert index.match(MODEL, None, tokens(9), ["a", "b"]) == {}
+    assert index.blocks() == 0
+    index.expire(float("inf"))  # the old claims' expiry finds nothing to remove
+
+
 # ---------------------------------------------------------------------- placer
 
 
@@ -338,6 +406,15 @@ def test_load_outweighs_a_small_hit() -> None:
         request(tokens(17)), [candidate("w1"), candidate("w2", running=3)]
     )
     assert (placement.worker_id, placement.reason) == ("w1", PlacementReason.LOAD)
+
+
+def test_queue_weight_lets_a_hit_outweigh_a_longer_queue() -> None:
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    workers = [candidate("w1"), candidate("w2", queued=6 * SIZE)]  # 6 blocks queued vs 4 held
+    assert placer(index).place(request(tokens(17)), workers).worker_id == "w1"
+    placement = placer(index, queue_weight=0.5).place(request(tokens(17)), workers)
+    assert (placement.worker_id, placement.reason) == ("w2", PlacementReason.CACHE)
 
 
 def test_equal_cost_goes_to_the_least_loaded_then_at_random() -> None:

@@ -10,8 +10,9 @@ from typing import Any, cast
 import msgspec
 
 from gateway.dispatch.dispatcher import _expecting_cached
-from shared.protocol import EmbedJob, GenerateJob, Job, decode, encode
-from tests.unit.worker_harness import make_job
+from shared.protocol import EmbedJob, GenerateJob, ImageRef, Job, decode, encode
+from tests.unit.worker_harness import make_job, with_sampling
+from workers.assembly import announceable
 from workers.intake.active_jobs import ActiveJobs
 from workers.roles.base import JobRun
 
@@ -53,3 +54,11 @@ def test_placed_jobs_carry_the_cached_tokens_and_the_field_travels() -> None:
     placed = _expecting_cached(jobs, 256)
     assert [getattr(job, "cached_tokens", None) for job in placed] == [256, 256, None]
     assert decode(encode(placed[0])) == placed[0]
+
+
+def test_only_prompts_named_by_their_tokens_and_computed_here_are_announced() -> None:
+    job = make_job("r")
+    assert announceable(job)
+    assert not announceable(msgspec.structs.replace(job, handoff={"kv": "elsewhere"}))
+    assert not announceable(msgspec.structs.replace(job, images=(ImageRef("d" * 64, 10),)))
+    assert not announceable(with_sampling(job, cache_salt="tenant"))

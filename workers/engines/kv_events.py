@@ -7,6 +7,12 @@ a batch rebuilds from (unchanged: the snapshot's expiry is only renewed). A batc
 cannot be written (Redis down) is not retried: readers see the gap and wait for the next
 snapshot. When the worker stops (or its engine's events fail), it says so and deletes its
 snapshot.
+
+A job that starts here is announced too (:meth:`KvEventForwarder.announce`): the names of
+the prompt blocks its engine is about to compute, so that a gateway places the next
+request with that prefix (a tenant's next conversation, sent while the first is still
+prefilling) here rather than where nothing of it is coming. Named and written from the
+forwarder's own task, never on the job's path.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
+from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from shared.block_hashes import EngineBlockMap
+from shared.block_hashes import EngineBlockMap, block_names, chain_seed, prompt_blocks
 from shared.queue.kv_events import (
     SNAPSHOT_MAX_BLOCKS,
     SNAPSHOT_TTL_INTERVALS,
@@ -25,12 +33,15 @@ from shared.queue.kv_events import (
     KvEvent,
     KvEventWriter,
     KvSnapshot,
+    PendingBlocks,
 )
 from workers.engines.base import KvEventFeed
 
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 1.0
+ANNOUNCE_MAX_JOBS = 1024
+"""Started jobs waiting to be announced (past it the oldest are left out: a hint)."""
 
 
 class KvEventForwarder:
@@ -46,6 +57,10 @@ class KvEventForwarder:
         self._changed = False
         self._failing = False
         self._lock = asyncio.Lock()
+        self._to_announce: deque[tuple[Sequence[int], str | None, int]] = deque(
+            maxlen=ANNOUNCE_MAX_JOBS
+        )
+        self._announced = asyncio.Event()
         self.batches = 0
         """Batches written to Redis (tests wait on it)."""
 
@@ -54,6 +69,7 @@ class KvEventForwarder:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._forward())
                 group.create_task(self._snapshots())
+                group.create_task(self._announcements())
         except Exception:  # the gateways then drop this worker's blocks: placement by load
             log.exception("KV events stopped; this worker's cache is no longer indexed")
         finally:
@@ -81,6 +97,36 @@ class KvEventForwarder:
             return
         self.batches += 1
         self._recovered()
+
+    def announce(self, token_ids: Sequence[int], lora: str | None, cached_tokens: int) -> None:
+        """A job that will prefill ``token_ids`` (with adapter ``lora``) started here; the
+        gateway that placed it found ``cached_tokens`` of them cached here already."""
+        self._to_announce.append((token_ids, lora, cached_tokens))
+        self._announced.set()
+
+    async def _announcements(self) -> None:
+        while True:
+            await self._announced.wait()
+            self._announced.clear()
+            pending = []
+            while self._to_announce:
+                names = self._coming(*self._to_announce.popleft())
+                if names:
+                    pending.append(PendingBlocks(self._writer.worker_id, names))
+            if not pending:
+                continue
+            try:
+                await self._writer.announce(pending)
+            except RedisError as exc:
+                self._failed(exc)
+
+    def _coming(self, token_ids: Sequence[int], lora: str | None, cached_tokens: int) -> list[int]:
+        """Names of the prompt's blocks the engine will compute (from the first one the
+        gateway did not find cached here)."""
+        size = self._feed.block_size
+        full = prompt_blocks(len(token_ids), size) * size
+        names = block_names(token_ids[:full], size, chain_seed(self._model, lora))
+        return names[cached_tokens // size :]
 
     async def _snapshots(self) -> None:
         ttl_s = self._snapshot_s * SNAPSHOT_TTL_INTERVALS

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from shared.connections.connect import MAX_BLOCK_MS
 from shared.connections.retry import Backoff
 from shared.errors import EngineDead, EngineError
+from shared.protocol import Job
 from shared.queue.job_queue import Delivery, JobQueue, JobStream
 from shared.queue.worker_streams import Requeue, WorkerStreams
 from workers.intake.active_jobs import ActiveJobs, Lifecycle
@@ -141,7 +142,7 @@ class JobConsumer:
         lifecycle: Lifecycle,
         new_run: NewRun,
         recent_cancels: RecentCancels,
-        on_start: Callable[[], None],
+        on_start: Callable[[Job], None],
         runs_traced: RunTracer | None = None,
     ) -> None:
         self._reader = reader
@@ -276,7 +277,7 @@ class JobConsumer:
             log.info("job %s dropped at dequeue: client disconnected", lease.job_id)
             self._journal.finish(lease)
             return
-        self._on_start()
+        self._on_start(lease.delivery.job)
         task = asyncio.create_task(self._run_job(run), name=lease.job_id)
         self._jobs.add(run, task)
 
