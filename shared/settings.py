@@ -409,7 +409,7 @@ class GatewaySettings(ImageSettings):
         description="Cache-aware placement: weight of a worker's running sequences in its cost.",
     )
     placement_queue_weight: float = Field(
-        1.0,
+        0.5,
         ge=0,
         le=1,
         description="Cache-aware placement: weight of a worker's queued prefill relative to "

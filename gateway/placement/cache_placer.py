@@ -52,8 +52,9 @@ class PlacementSettings(Protocol):
 class CostPolicy:
     prefill_weight: float = 1.0
     decode_weight: float = 1.0
-    queue_weight: float = 1.0
-    """A worker's queued prefill blocks, against the job's own uncached ones."""
+    queue_weight: float = 0.5
+    """A worker's queued prefill blocks, against the job's own uncached ones: a cache miss
+    delays every job that queues behind it on that worker, a queue only this job."""
     busy_waiting: int = 2
     """A worker holding this many jobs not started yet is busy."""
     busy_kv_usage: float = 0.95

@@ -412,16 +412,17 @@ def test_queue_weight_lets_a_hit_outweigh_a_longer_queue() -> None:
     index = PrefixIndex()
     Feed(index).send("w2", stored(tokens(16)))
     workers = [candidate("w1"), candidate("w2", queued=6 * SIZE)]  # 6 blocks queued vs 4 held
-    assert placer(index).place(request(tokens(17)), workers).worker_id == "w1"
-    placement = placer(index, queue_weight=0.5).place(request(tokens(17)), workers)
+    assert placer(index, queue_weight=1).place(request(tokens(17)), workers).worker_id == "w1"
+    placement = placer(index).place(request(tokens(17)), workers)  # the default, 0.5
     assert (placement.worker_id, placement.reason) == ("w2", PlacementReason.CACHE)
 
 
 def test_equal_cost_goes_to_the_least_loaded_then_at_random() -> None:
     index = PrefixIndex()
     Feed(index).send("w1", stored(tokens(16)))
-    # each costs 4 blocks: w1 holds the prompt's 4 but has 4 blocks of prefill queued
-    cands = [candidate("w1", queued=16), candidate("w2", waiting=1), candidate("w3")]
+    # each costs 4 blocks: w1 holds the prompt's 4 but has 8 blocks of prefill queued (at
+    # the default queue weight, 0.5)
+    cands = [candidate("w1", queued=32), candidate("w2", waiting=1), candidate("w3")]
     chosen = {
         CachePlacer(index, rng=random.Random(seed)).place(request(tokens(17)), cands).worker_id
         for seed in range(40)
