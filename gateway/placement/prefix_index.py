@@ -163,9 +163,10 @@ class PrefixIndex:
 
     def pending(self, announced: PendingBlocks, now: float) -> None:
         """Count the announced blocks as held by their worker until ``now + pending_s``
-        (a worker not indexed, or waiting for its snapshot, is left as it is)."""
+        (a worker not indexed, or waiting for its snapshot, is left as it is; with
+        ``pending_s`` 0 announcements are not counted at all)."""
         worker = self._workers.get(announced.worker_id)
-        if worker is None or worker.seq is None:
+        if worker is None or worker.seq is None or self.pending_s <= 0:
             return
         until = now + self.pending_s
         mask = 1 << worker.bit

@@ -357,6 +357,13 @@ def test_an_announcement_again_renews_the_claim() -> None:
     assert index.match(MODEL, None, tokens(9), ["a"]) == {}
 
 
+def test_announcements_count_for_nothing_with_no_time_to_count() -> None:
+    index = PrefixIndex(pending_s=0)
+    Feed(index).send("a", ClearedBlocks())
+    index.pending(coming("a", tokens(8)), now=0)
+    assert index.match(MODEL, None, tokens(9), ["a"]) == {}
+
+
 def test_announcements_of_unknown_or_lost_workers_are_ignored() -> None:
     index = PrefixIndex()
     index.pending(coming("a", tokens(8)), now=0)
