@@ -219,8 +219,7 @@ class PrefixIndex:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return
-        self._unset(worker, worker.blocks.clear())
-        self._unset(worker, list(worker.pending))
+        self._forget_blocks(worker)
         self._forget_mask(worker.blocks.model, worker_id)
         self._free_bits.append(worker.bit)
 
@@ -230,8 +229,7 @@ class PrefixIndex:
         """The worker with no blocks (a new one, or one starting over)."""
         worker = self._workers.get(worker_id)
         if worker is not None:
-            self._unset(worker, worker.blocks.clear())
-            self._unset(worker, list(worker.pending))
+            self._forget_blocks(worker)
             self._forget_mask(worker.blocks.model, worker_id)
         known = self._block_size.setdefault(model, block_size)
         if known != block_size:
@@ -248,6 +246,11 @@ class PrefixIndex:
         self._workers[worker_id] = fresh
         self._masks.setdefault(model, {})[worker_id] = 1 << bit
         return fresh
+
+    def _forget_blocks(self, worker: _Worker) -> None:
+        """The worker holds nothing any more: neither stored blocks nor announced ones."""
+        self._unset(worker, worker.blocks.clear() + list(worker.pending))
+        worker.pending.clear()
 
     def _forget_mask(self, model: str, worker_id: str) -> None:
         """The worker no longer counts for ``model``. The model's block size is its
