@@ -108,7 +108,7 @@ def lease(
         traceparent=traceparent,
     )
     delivery = Delivery("conveyor:jobs:tiny:" + role.value, "1000000-0", job, role)
-    return RunLease(delivery, "fence", 0, 0, emitted or [], first_seq_unix)
+    return RunLease(delivery, "fence", 0, 0, emitted or [], first_seq_unix=first_seq_unix)
 
 
 def spans_of(run: RunLease, end: RunEnd = RunEnd.DONE) -> list[tuple[str, float, float]]:

@@ -172,6 +172,32 @@ async def test_deterministic_guided_job_is_replayed_not_appended(
     assert unstamped(events[-1]) == FinishEvent("forced", 0, 4, 1, "stop", 3, 4)
 
 
+@pytest.mark.parametrize("tokens_per_step", [2, 3], ids=["ends-on-a-step", "straddles-a-step"])
+async def test_a_replay_whose_steps_group_tokens_sends_only_what_is_new(
+    redis_target: RedisTarget, tokens_per_step: int
+) -> None:
+    """A busy engine puts several tokens in one step; a step that holds the last tokens
+    sent and new ones is cut, text included, where the client's stream ended."""
+    job = with_sampling(make_job("forced", max_tokens=16), json_object=True, temperature=0.0)
+    before: list[TokenEvent] = []
+
+    async def crashed_worker(redis: aioredis.Redis) -> None:
+        events, _ = await earlier_run(redis, job, tokens=[[100], [101]])
+        before.extend(events)
+
+    engine = FakeEngine(tokens=5, tokens_per_step=tokens_per_step)
+    async with worker(
+        redis_target, engine, setup=crashed_worker, claim_idle_s=0.1, timing=FAST_JANITOR
+    ) as w:
+        events = await w.final_events("forced")
+        await w.drained()
+    assert events[: len(before)] == before
+    sent = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t for e in sent for t in e.token_ids] == [100, 101, 102, 103, 104]
+    assert "".join(e.text for e in sent) == "<0><1><2><3><4>"
+    assert unstamped(events[-1]).completion_tokens == 5
+
+
 @pytest.mark.parametrize(
     ("earlier", "why"),
     [([[100], [999]], "differed"), ([[100], [101], [102], [103], [104]], "ended before")],

@@ -88,15 +88,16 @@ async def emitted_tokens(redis: aioredis.Redis, job_id: str) -> list[int]:
 class FakeEngine:
     """A GenerateEngine and EmbedEngine with scripted outputs.
 
-    Each sequence yields ``tokens`` steps (one token each, ``step_s`` apart), or
-    fewer when ``max_tokens`` is smaller; ``fail`` raises at a given step.
+    Each sequence yields ``tokens`` tokens (``tokens_per_step`` a step, ``step_s`` apart),
+    or fewer when ``max_tokens`` is smaller; ``fail`` raises at a given step.
     Cancellation of the consuming task lands inside ``generate`` and is counted.
     """
 
-    def __init__(self, *, tokens: int = 4, step_s: float = 0.005) -> None:
+    def __init__(self, *, tokens: int = 4, step_s: float = 0.005, tokens_per_step: int = 1) -> None:
         self.info = EngineInfo(model=MODEL, max_model_len=256)
         self.prompt_stats = PromptTokenStats()
         self.tokens = tokens
+        self.tokens_per_step = tokens_per_step
         self.step_s = step_s
         self.fail: tuple[int, BaseException] | None = None
         self.dead = False
@@ -128,18 +129,20 @@ class FakeEngine:
         self._running.add(job_id)
         self.peak = max(self.peak, len(self._running))
         try:
-            steps = min(self.tokens, sampling.max_tokens)
-            for step in range(steps):
+            count = min(self.tokens, sampling.max_tokens)
+            starts = range(0, count, self.tokens_per_step)
+            for step, first in enumerate(starts):
                 await asyncio.sleep(self.step_s)
                 if self.fail is not None and self.fail[0] == step:
                     raise self.fail[1]
+                positions = range(first, min(count, first + self.tokens_per_step))
                 reason = None
-                if step == steps - 1:
-                    reason = "length" if steps == sampling.max_tokens else "stop"
+                if step == len(starts) - 1:
+                    reason = "length" if count == sampling.max_tokens else "stop"
                     self.completed.append(job_id)
                 yield StepOutput(
-                    token_ids=[100 + step],
-                    text=f"<{step}>",
+                    token_ids=[100 + n for n in positions],
+                    text="".join(f"<{n}>" for n in positions),
                     logprobs=None,
                     finish_reason=reason,
                     prompt_tokens=len(prompt_token_ids),
@@ -374,6 +377,7 @@ async def earlier_run(
     try:
         for _ in range(runs):
             lease = await journal.begin(delivery)
+        lease.counts_chars = generate.replays(job.sampling)  # as SequenceRun does
         events = []
         for token_ids in tokens:
             text = "".join(f"<{t - 100}>" for t in token_ids)

@@ -97,6 +97,11 @@ class RunLease:
     next_seq: int
     emitted: list[int]
     """Tokens published by earlier runs of this job."""
+    emitted_chars: int = 0
+    """Text characters published by earlier runs (counted only where ``counts_chars``)."""
+    counts_chars: bool = False
+    """Whether this run's writes count their text characters: a run that replays its
+    output must know where the text the client has ends (see ``Replay``)."""
     first_seq_unix: float | None = None
     """When this run numbered its first event (its first engine output, for tracing)."""
     _names: RunNames | None = field(default=None, init=False, repr=False, compare=False)
@@ -172,8 +177,10 @@ class RunJournal:
                 )
             replies = await pipe.execute()
         return [
-            RunLease(delivery, fence, int(attempt), int(seq), unpack_tokens(emitted or b""))
-            for delivery, fence, (attempt, seq, emitted) in zip(
+            RunLease(
+                delivery, fence, int(attempt), int(seq), unpack_tokens(emitted or b""), int(chars)
+            )
+            for delivery, fence, (attempt, seq, emitted, chars) in zip(
                 deliveries, fences, replies, strict=True
             )
         ]

@@ -49,7 +49,8 @@ if redis.call('EXISTS', emitted) == 0 then
 else
   redis.call('PEXPIRE', emitted, ttl_ms)
 end
-return {{starts - 1, tonumber(redis.call('HGET', run, 'seq') or '0'), redis.call('GET', emitted)}}
+local seq, chars = unpack(redis.call('HMGET', run, 'seq', 'chars'))
+return {{starts - 1, tonumber(seq or '0'), redis.call('GET', emitted), tonumber(chars or '0')}}
 """
 
 # --------------------------------------------------------------------------- write
@@ -74,6 +75,9 @@ class WriteRow(NamedTuple):
     """The job's next seq once these events are out."""
     tokens: bytes
     """The step's token ids (int32, little-endian), appended to ``emitted``."""
+    chars: int
+    """Text characters the step's events carry, added to the run's ``chars`` (only runs
+    that replay count them: 0 writes nothing)."""
     ack_stream: str
     """The job's stream when it finished (ack it), else ''."""
     ack_entry: str
@@ -129,6 +133,7 @@ for _ = 1, tonumber(job_count) do
       redis.call('INCR', done_key)
     else
       if tokens ~= '' then redis.call('APPEND', emitted, tokens) end
+      if chars ~= '0' then redis.call('HINCRBY', run, 'chars', chars) end
       redis.call('HSET', run, 'seq', seq_after)
     end
   else

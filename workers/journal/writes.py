@@ -38,6 +38,7 @@ class JobWrites:
     events: list[bytes] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     sent_tokens: int = 0
+    chars: int = 0
     finish_note: tuple[str, str] = ("", "")
     finish: bool = False
     tail: TokenEvent | None = None
@@ -48,6 +49,7 @@ class JobWrites:
         self._close_tail()
         if isinstance(event, TokenEvent):
             self.sent_tokens += len(event.token_ids)
+            self.chars += len(event.text)
             self.tail = event
         else:
             self.events.append(encode_payload(event))
@@ -65,6 +67,7 @@ class JobWrites:
             return False
         self.tail = joined([tail, event], seq=tail.seq)
         self.sent_tokens += len(event.token_ids)
+        self.chars += len(event.text)
         lease.next_seq = event.seq
         return True
 
@@ -84,6 +87,7 @@ class JobWrites:
             reply_to=lease.delivery.job.reply_to,
             seq_after=lease.next_seq,
             tokens=pack_tokens(self.tokens),
+            chars=self.chars if lease.counts_chars else 0,
             ack_stream=stream if self.finish else "",
             ack_entry=lease.delivery.entry_id if self.finish else "",
             done_key=redis_names.done,

@@ -104,17 +104,24 @@ def replays(sampling: SamplingOptions) -> bool:
 
 
 class Replay:
-    """The tokens a replayed run regenerates before it has anything new to send."""
+    """The tokens a replayed run regenerates before it has anything new to send.
 
-    def __init__(self, emitted: list[int]) -> None:
+    An engine may put several tokens in one step (vLLM merges the outputs a busy consumer
+    has not taken yet), so a step can straddle the end of what was sent. Its text is cut
+    by characters: text is a function of the tokens, not of how steps group them, so the
+    first ``emitted_chars`` characters the replay produces are the ones the client has.
+    """
+
+    def __init__(self, emitted: list[int], emitted_chars: int) -> None:
         self._left = list(emitted)
+        self._chars_left = emitted_chars
 
     @property
     def done(self) -> bool:
         return not self._left
 
     def skip(self, step: StepOutput) -> StepOutput:
-        """``step`` without the tokens the client already has; raises
+        """``step`` without the tokens (and text) the client already has; raises
         :class:`MigrationRefused` when they differ from what was sent."""
         head = step.token_ids[: len(self._left)]
         if head != self._left[: len(head)]:
@@ -123,20 +130,21 @@ class Replay:
                 "was already sent; retry the request"
             )
         del self._left[: len(head)]
-        rest = step.token_ids[len(head) :]
         if step.finish_reason is not None and self._left:
             raise MigrationRefused(
                 "its worker stopped mid-stream and the replayed output ended before what "
                 "was already sent; retry the request"
             )
-        if not head:
-            return step
-        if rest:  # a step that straddles the end of the replay: its text cannot be split
-            raise MigrationRefused(
-                "its worker stopped mid-stream and the replay could not be joined to what "
-                "was already sent; retry the request"
-            )
-        return dataclasses.replace(step, token_ids=[], text="", logprobs=None)
+        sent_chars = min(len(step.text), self._chars_left)
+        self._chars_left -= sent_chars
+        logprobs = step.logprobs
+        return dataclasses.replace(
+            step,
+            token_ids=step.token_ids[len(head) :],
+            text=step.text[sent_chars:],
+            logprobs=None if logprobs is None else logprobs[len(head) :] or None,
+            prompt_logprobs=None,  # the client had them with the first tokens
+        )
 
 
 class SequenceRun:
@@ -157,7 +165,9 @@ class SequenceRun:
         self._images = images
         self._adapters = adapters
         self._completion_tokens = len(lease.emitted)
-        self._replay = Replay(lease.emitted if replays(self.job.sampling) else [])
+        replaying = replays(self.job.sampling)
+        lease.counts_chars = replaying
+        self._replay = Replay(lease.emitted if replaying else [], lease.emitted_chars)
 
     async def run(self) -> None:
         job = self.job
