@@ -19,7 +19,7 @@ RUN pip install --upgrade pip wheel
 # Installed editable from /opt/conveyor, the path the final image keeps it at: `conveyor db
 # upgrade` finds the migrations in the top-level alembic/ folder beside the packages.
 WORKDIR /opt/conveyor
-COPY pyproject.toml README.md alembic.ini ./
+COPY pyproject.toml setup.py README.md alembic.ini ./
 COPY alembic alembic
 COPY shared shared
 COPY workers workers

