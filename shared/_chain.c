@@ -118,15 +118,16 @@ chain_names(PyObject *Py_UNUSED(module), PyObject *args)
     if (fast == NULL) {
         return NULL;
     }
-    if ((start + count) > PySequence_Fast_GET_SIZE(fast) / size) {
+    Py_ssize_t blocks = PySequence_Fast_GET_SIZE(fast) / size;
+    if (start > blocks || count > blocks - start) {
         Py_DECREF(fast);
         PyErr_SetString(PyExc_ValueError, "token_ids hold fewer full blocks than asked for");
         return NULL;
     }
     PyObject **items = PySequence_Fast_ITEMS(fast) + start * size;
-    PyObject *names = PyList_New(count);
     Py_hash_t name_hash = PyObject_Hash(name);
-    if (names == NULL || name_hash == -1) {
+    PyObject *names = name_hash == -1 ? NULL : PyList_New(count);
+    if (names == NULL) {
         goto fail;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -182,9 +183,9 @@ walk_chain(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    PyObject *out = PyList_New(0);
     Py_hash_t name_hash = PyObject_Hash(name);
-    if (out == NULL || name_hash == -1) {
+    PyObject *out = name_hash == -1 ? NULL : PyList_New(0);
+    if (out == NULL) {
         goto fail;
     }
     Py_ssize_t depth = 0;
@@ -235,7 +236,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_chain", "Conveyor's block names, in C.", -1, methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_chain",
+    .m_doc = "Conveyor's block names, in C.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

@@ -160,6 +160,8 @@ def test_asking_for_more_blocks_than_the_tokens_hold_is_an_error(
 ) -> None:
     with pytest.raises(ValueError, match="fewer full blocks"):
         chain(tokens(7), 4, 1, 1, 0)
+    with pytest.raises(ValueError, match="fewer full blocks"):
+        chain(tokens(7), 4, 2**62, 2**62, 0)
 
 
 def test_lora_and_model_separate_names() -> None:
