@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.exceptions import RedisError
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import check_auth_settings
 from gateway.body_limit import BodySizeLimit
@@ -33,6 +34,7 @@ from gateway.placement.cache_placement import CachePlacement
 from gateway.placement.placer import Placer
 from gateway.routes import admin, health, loras, metrics, openai, requests, vllm, workers
 from gateway.serving import background
+from gateway.serving.delivery import RAW_SEND
 from gateway.state import GatewayState, cache_placement
 from shared.connections.connect import connect
 from shared.connections.model_redis import ModelRedis, check_served
@@ -93,13 +95,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return build_app(settings, lifespan)
 
 
+class GatewayApp(FastAPI):
+    """The app; its outermost layer leaves the server's ``send`` in the scope, where an SSE
+    response sends its body past the middleware (:class:`EventStreamResponse`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(
     settings: GatewaySettings,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
 ) -> FastAPI:
     """Routes, error funnel, the Host and key checks and the body-size limit (outermost last);
     ``app.state.gateway`` comes from ``lifespan`` (tests set it themselves)."""
-    app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
+    app = GatewayApp(title="Conveyor", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(
         BodySizeLimit,

@@ -49,7 +49,7 @@ class GatewayState:
         control.keys.on_revoked = self.cells.end_requests_of
 
 
-def _state(request: Request) -> GatewayState:
+async def _state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
     return state
 

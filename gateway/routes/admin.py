@@ -31,7 +31,7 @@ MAX_USAGE_ROWS = 1000
 _ROW_COUNT = re.compile(r"[0-9]{1,9}")
 
 
-def _control(state: StateDep) -> ControlPlane:
+async def _control(state: StateDep) -> ControlPlane:
     if state.control is None:
         raise DatabaseUnavailable("the control plane is not started yet", retry_after_s=1)
     return state.control

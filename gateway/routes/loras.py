@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(dependencies=[Depends(require_scope(Scope.ADMIN))])
 
 
-def _loras(state: StateDep) -> LoraService:
+async def _loras(state: StateDep) -> LoraService:
     if state.control is None:
         raise DatabaseUnavailable("the control plane is not started yet", retry_after_s=1)
     return state.control.lora
