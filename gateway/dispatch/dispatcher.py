@@ -361,7 +361,7 @@ class Dispatcher:
                 excess = int(result.detail) + len(jobs) - self._policy.queue_max_depth
                 retry_after = self.drain.retry_after_s(stream, excess)
             _raise_refusal(result.outcome, result.detail, plan.model, retry_after)
-        log.info("queued %s: %d sequence(s) for %s", plan.request_id, len(jobs), plan.model)
+        log.debug("queued %s: %d sequence(s) for %s", plan.request_id, len(jobs), plan.model)
         return headers
 
     def _note_placed(

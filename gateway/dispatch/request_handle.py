@@ -82,7 +82,7 @@ class RequestHandle:
                 raise DeadlineExceeded("the request timed out before the model finished")
             wait = remaining if idle_timeout_s is None else min(idle_timeout_s, remaining)
             try:
-                item = await self._next(wait)
+                item = await self._queue.get(wait)
             except TimeoutError:
                 if self._deadline.remaining_s() <= 0:
                     raise DeadlineExceeded(
@@ -107,9 +107,6 @@ class RequestHandle:
                 self._held = event
                 return event
         raise BackendUnavailable("the request ended without an event")
-
-    async def _next(self, wait_s: float) -> Event | StreamInterrupted:
-        return await self._queue.get(wait_s)
 
     def join_buffered(self, event: TokenEvent) -> TokenEvent:
         """``event`` joined with the token events of its sequence already queued right

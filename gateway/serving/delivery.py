@@ -195,8 +195,8 @@ async def stream_events(
                 if (event.index, event.seq) == after:
                     after = None
                 continue
-            if not handle.has_buffered():
-                yield b"".join(pending)
+            if pending and not handle.has_buffered():
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
                 pending.clear()
         if include_usage:
             pending.append(sse_data(fmt.usage_chunk(usage)))
