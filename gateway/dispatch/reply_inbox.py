@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -23,7 +24,7 @@ TIMER_SLACK_S = 0.001
 class ReplyInbox(Generic[T]):
     """Items in arrival order, at most ``limit`` waiting; one reader at a time."""
 
-    __slots__ = ("_due", "_items", "_limit", "_room", "_timer", "_waiter")
+    __slots__ = ("_due", "_items", "_limit", "_room", "_taker", "_timer", "_waiter")
 
     def __init__(self, limit: int) -> None:
         self._items: deque[T] = deque()
@@ -34,9 +35,13 @@ class ReplyInbox(Generic[T]):
         """Loop time at which the current wait times out."""
         self._room: asyncio.Future[None] | None = None
         """A writer waiting for room (:meth:`put`)."""
+        self._taker: Callable[[T], bool] | None = None
 
     def put_nowait(self, item: T) -> None:
         """Raises :class:`asyncio.QueueFull` when ``limit`` items are waiting."""
+        taker = self._taker
+        if taker is not None and not self._items and taker(item):
+            return
         if len(self._items) >= self._limit:
             raise asyncio.QueueFull
         self._items.append(item)
@@ -51,6 +56,11 @@ class ReplyInbox(Generic[T]):
                 self._room = asyncio.get_running_loop().create_future()
             await self._room
         self.put_nowait(item)
+
+    def take_with(self, taker: Callable[[T], bool] | None) -> None:
+        """While set, an item put into an empty inbox is offered to ``taker`` first, in the
+        writer's call; it returns False to leave the item queued, as without it."""
+        self._taker = taker
 
     def get_nowait(self) -> T:
         """Raises :class:`asyncio.QueueEmpty` when nothing is waiting."""

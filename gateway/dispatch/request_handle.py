@@ -108,6 +108,31 @@ class RequestHandle:
                 return event
         raise BackendUnavailable("the request ended without an event")
 
+    def take_next(self, event: TokenEvent) -> bool:
+        """Take ``event`` as :meth:`events` would, when it is the next of its choice (no
+        repeat, no gap) and no event is held; False (nothing done): :meth:`events` takes it."""
+        index = event.index
+        if self._held is not None or event.seq != self._next_seq.get(index, 0):
+            return False
+        self._next_seq[index] = event.seq + 1
+        self._attempt[index] = event.attempt
+        self.tally.note(event)
+        return True
+
+    def push_to(self, taker: Callable[[Event | StreamInterrupted], bool] | None) -> None:
+        """While set, ``taker`` is offered each event as it arrives (see
+        :meth:`ReplyInbox.take_with`); one it takes must go through :meth:`take_next`."""
+        self._queue.take_with(taker)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sequence has ended (its final event taken)."""
+        return self._unfinished <= 0
+
+    def remaining_s(self) -> float:
+        """Seconds left before the request's deadline."""
+        return self._deadline.remaining_s()
+
     def join_buffered(self, event: TokenEvent) -> TokenEvent:
         """``event`` joined with the token events of its sequence already queued right
         behind it (see :mod:`shared.token_runs`), taken as :meth:`events` takes them;

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.dispatch.queue_watch import QueueWatch
 from gateway.dispatch.request_handle import RequestHandle
 from gateway.openai.responses import ChoiceState, Json, ResponseWriter, Usage
+from gateway.serving.token_push import TokenPush
 from shared.errors import ConveyorError, RemoteError
 from shared.protocol import ErrorEvent, FinishEvent, TokenEvent
 
@@ -46,7 +47,12 @@ class EventStreamResponse(StreamingResponse):
     of the gateway's CPU per streamed token. A task watches for the client leaving and
     stops the stream (cheaper than Starlette's task group per response)."""
 
-    def __init__(self, events: AsyncIterator[str | bytes], handle: RequestHandle) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str | bytes],
+        handle: RequestHandle,
+        push: TokenPush | None = None,
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -58,12 +64,16 @@ class EventStreamResponse(StreamingResponse):
             },
         )
         self._handle = handle
+        self._push = push
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self._handle:
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
-            await self._stream_body(scope.get(RAW_SEND, send), receive)
+            body_send = scope.get(RAW_SEND, send)
+            if self._push is not None:
+                self._push.send = body_send
+            await self._stream_body(body_send, receive)
 
     async def _stream_body(self, send: Send, receive: Receive) -> None:
         streaming = asyncio.current_task()
@@ -123,6 +133,7 @@ async def stream_events(
     after: tuple[int, int] | None = None,
     queue: QueueWatch | None = None,
     join_waiting: bool = False,
+    push: TokenPush | None = None,
 ) -> AsyncIterator[str | bytes]:
     """SSE exactly as OpenAI streams it, plus ``id:`` lines and keep-alive comments.
     ``prompt_tokens`` (each choice's prompt length) asks for vLLM's continuous usage:
@@ -132,7 +143,9 @@ async def stream_events(
     ``queue``, a request still waiting for a worker gets ``: queued position=N eta_s=S``
     comments as it moves up. ``join_waiting``: token events of a choice that are already
     queued behind the one taken leave as one chunk (its ``id:`` is the last one's), never
-    waiting for more; False: one chunk per event."""
+    waiting for more; False: one chunk per event. ``push``: once the stream is under way,
+    its token chunks are written as their events arrive (:mod:`gateway.serving.token_push`)
+    and this generator takes over whenever something else comes."""
     usage = Usage(choices_per_prompt)
     single = len(indices) == 1
     generated = dict.fromkeys(indices, 0)
@@ -149,6 +162,15 @@ async def stream_events(
             body["usage"] = None
         return body
 
+    def token_chunk(event: TokenEvent) -> bytes | None:
+        generated[event.index] += len(event.token_ids)
+        chunk = fmt.delta(event)
+        if chunk is None:  # held back (a tool-call tag not yet complete)
+            return None
+        event_id = event_id_of(event.index, event.seq, single=single)
+        return sse_data(with_usage(chunk, event.index), event_id)
+
+    lend = push is not None and not join_waiting
     # Chunks of events that arrived together leave in one write (one send per wakeup).
     pending: list[bytes] = []
     try:
@@ -171,10 +193,9 @@ async def stream_events(
                 event = handle.join_buffered(event)
             event_id = event_id_of(event.index, event.seq, single=single)
             if isinstance(event, TokenEvent):
-                generated[event.index] += len(event.token_ids)
-                chunk = fmt.delta(event)
-                if chunk is not None:  # None: held back (a tool-call tag not yet complete)
-                    pending.append(sse_data(with_usage(chunk, event.index), event_id))
+                data = token_chunk(event)
+                if data is not None:
+                    pending.append(data)
             elif isinstance(event, FinishEvent):
                 usage.add(event)
                 generated[event.index] = event.completion_tokens
@@ -195,9 +216,14 @@ async def stream_events(
                 if (event.index, event.seq) == after:
                     after = None
                 continue
-            if pending and not handle.has_buffered():
+            if handle.has_buffered():
+                continue
+            if pending:
                 yield pending[0] if len(pending) == 1 else b"".join(pending)
                 pending.clear()
+            if lend and push is not None and not handle.finished:
+                while await push.lend(handle, token_chunk, keepalive_s):
+                    yield KEEPALIVE
         if include_usage:
             pending.append(sse_data(fmt.usage_chunk(usage)))
         pending.append(DONE)

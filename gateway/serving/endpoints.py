@@ -73,6 +73,7 @@ from gateway.serving.delivery import (
 )
 from gateway.serving.embeddings import collect_embeddings, embedding_inputs, input_token_ids
 from gateway.serving.off_loop import tokenizing
+from gateway.serving.token_push import TokenPush
 from gateway.serving.tool_choice import opens_reasoning, plan_tools
 from gateway.state import GatewayState
 from shared.errors import GatewayDraining, RemoteError
@@ -383,6 +384,7 @@ def stream_response(
 ) -> EventStreamResponse:
     """The SSE response of a generation; ``after``: resume after this event; ``queue``:
     its place in the queue while it waits (comments)."""
+    push = TokenPush()
     events = stream_events(
         handle,
         fmt,
@@ -394,8 +396,9 @@ def stream_response(
         after=after,
         queue=queue,
         join_waiting=state.settings.stream_join_waiting,
+        push=push,
     )
-    return EventStreamResponse(events, handle)  # the response owns the handle now
+    return EventStreamResponse(events, handle, push)  # the response owns the handle now
 
 
 def _prompt_tokens(prompts: dict[int, list[int]]) -> dict[int, int]:
