@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.journal.scripts import BeginArgs, JournalScripts, WriteHeader, WriteRow
+from workers.journal.scripts import BeginArgs, JournalScripts, WriteHeader, WritePart
 
 
 class FaultyScripts(JournalScripts):
@@ -35,9 +35,7 @@ class FaultyScripts(JournalScripts):
             raise self.fail_begins.pop()
         await super().begin(pipe, run, emitted, args)
 
-    async def write(
-        self, header: WriteHeader, rows: Sequence[tuple[WriteRow, Sequence[bytes]]]
-    ) -> list[Any]:
+    async def write(self, header: WriteHeader, rows: Sequence[WritePart]) -> list[Any]:
         self.write_calls += 1
         if self.writes_down:
             raise RedisConnectionError("Connection refused")

@@ -34,7 +34,8 @@ from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
 from workers.journal.run_journal import RunJournal, RunLease
-from workers.journal.writes import pack_tokens, unpack_tokens
+from workers.journal.scripts import WritePart, WriteTail
+from workers.journal.writes import JobWrites, pack_tokens, unpack_tokens
 
 STAGE = Role.AGGREGATED
 JOBS = JobStream("m", STAGE)
@@ -181,7 +182,7 @@ async def joining(redis_backend: aioredis.Redis) -> AsyncIterator[Journal]:
 async def run_fields(redis: aioredis.Redis) -> dict[bytes, bytes]:
     """The run hash of ``r1/0``, less the start time the status page reads (``began_ms``:
     the clock's, checked here only for its shape)."""
-    run: dict[bytes, bytes] = await redis.hgetall(names.job_run("r1/0", STAGE))
+    run: dict[bytes, bytes] = cast(Any, await redis.hgetall(names.job_run("r1/0", STAGE)))
     began = run.pop(b"began_ms", None)
     assert began is None or began.isdigit()
     return run
@@ -337,6 +338,183 @@ async def test_finish_without_event_acks_silently(
     assert await pending(redis_backend) == []
     assert await redis_backend.exists(*run_keys("gone/0")) == 0
     assert await redis_backend.get(DONE) == b"1"
+
+
+# ------------------------------------------------------------------------ sent tally
+
+TALLY = names.sent_tally("r1")
+TTL_MS = 100_000
+"""The journals below run with a 100 s TTL: they set the tally's again every 10 s."""
+
+
+class Clock:
+    """The journal's wall clock, moved by hand (seconds)."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def timed(redis_backend: aioredis.Redis, clock: Clock) -> AsyncIterator[Journal]:
+    """A journal on ``clock`` whose TTLs are 100 s."""
+    async with journals(redis_backend, "wt", run_ttl_s=TTL_MS / 1000, clock=clock) as (journal,):
+        yield journal
+
+
+async def tally(redis: aioredis.Redis) -> tuple[dict[bytes, bytes], int]:
+    """The sent tally of ``r1`` and its TTL (ms)."""
+    fields: dict[bytes, bytes] = cast(Any, await redis.hgetall(TALLY))
+    return fields, await redis.pttl(TALLY)
+
+
+async def step(journal: Journal, lease: RunLease, *token_lists: list[int]) -> None:
+    emit(journal.journal, lease, *token_lists)
+    await journal.flush()
+
+
+async def test_the_first_token_time_is_recorded_once(
+    timed: Journal, clock: Clock, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await timed.begin(delivery)
+    await step(timed, lease, [])  # no tokens: no first token yet
+    assert await redis_backend.exists(TALLY) == 0
+    clock.now = 1_000.5
+    await step(timed, lease, [1])
+    for now in (1_001.0, 1_020.0):  # later writes, refreshing the TTL or not
+        clock.now = now
+        await step(timed, lease, [2, 3])
+    fields, _ = await tally(redis_backend)
+    assert fields == {b"c": b"5", b"t": b"1000500"}
+
+    # A run that takes the job over records it with HSETNX again: the first one stays.
+    await redis_backend.pexpire(TALLY, 50_000)
+    clock.now = 1_021.0
+    taken = await timed.begin(delivery)
+    await step(timed, taken, [4])
+    fields, ttl = await tally(redis_backend)
+    assert fields == {b"c": b"6", b"t": b"1000500"}
+    assert TTL_MS - 5_000 < ttl <= TTL_MS
+
+
+async def test_the_tally_ttl_is_set_on_the_first_tokens_then_once_the_bound_passed(
+    timed: Journal, clock: Clock, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await timed.begin(delivery)
+    await step(timed, lease, [1])
+    _, ttl = await tally(redis_backend)
+    assert TTL_MS - 5_000 < ttl <= TTL_MS
+
+    await redis_backend.pexpire(TALLY, 50_000)  # to see which writes set it again
+    clock.now = 1_009.999  # less than a tenth of the TTL since it was set
+    await step(timed, lease, [2])
+    _, ttl = await tally(redis_backend)
+    assert ttl <= 50_000
+    clock.now = 1_010.0
+    await step(timed, lease, [3])
+    _, ttl = await tally(redis_backend)
+    assert TTL_MS - 5_000 < ttl <= TTL_MS
+
+    await redis_backend.pexpire(TALLY, 50_000)
+    clock.now = 1_019.0  # counted from the last time it was set, not the first
+    await step(timed, lease, [4])
+    _, ttl = await tally(redis_backend)
+    assert ttl <= 50_000
+    assert (await tally(redis_backend))[0][b"c"] == b"4"
+
+
+async def test_a_write_without_a_tail_leaves_the_first_token_time_and_the_ttl(
+    timed: Journal, clock: Clock, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await timed.begin(delivery)
+    await step(timed, lease, [1])
+    await redis_backend.hset(TALLY, "t", "7")
+    await redis_backend.pexpire(TALLY, 50_000)
+    clock.now = 1_001.0
+    await step(timed, lease, [2, 3], [4])
+    fields, ttl = await tally(redis_backend)
+    assert fields == {b"c": b"4", b"t": b"7"}
+    assert ttl <= 50_000
+    assert await emitted(redis_backend, "r1/0") == [1, 2, 3, 4]
+    assert await redis_backend.hget(names.job_run("r1/0", STAGE), "seq") == b"3"
+
+
+async def test_a_tally_deleted_while_the_job_runs_comes_back_with_a_ttl(
+    timed: Journal, clock: Clock, redis_backend: aioredis.Redis
+) -> None:
+    """Its gateway closed the request (and deleted the tally) before the job stopped."""
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await timed.begin(delivery)
+    await step(timed, lease, [1])
+    await redis_backend.delete(TALLY)
+    clock.now = 1_001.0
+    await step(timed, lease, [2])
+    fields, ttl = await tally(redis_backend)
+    assert fields == {b"c": b"1"}
+    assert TTL_MS - 5_000 < ttl <= TTL_MS
+
+
+async def test_a_finish_acks_deletes_and_records_its_note(
+    timed: Journal, clock: Clock, redis_backend: aioredis.Redis
+) -> None:
+    [delivery] = await deliver(redis_backend, make_job("r1"))
+    lease = await timed.begin(delivery)
+    await step(timed, lease, [1])
+    await redis_backend.pexpire(TALLY, 50_000)
+    clock.now = 1_001.0
+    final = FinishEvent("r1", 0, lease.take_seq(), 0, "length", 3, 1, 2)
+    timed.journal.finish(lease, final)
+    await timed.flush()
+    assert (await replies(redis_backend))[-1] == final
+    assert await redis_backend.xlen(STREAM) == 0
+    assert await pending(redis_backend) == []
+    assert await redis_backend.exists(*run_keys("r1/0")) == 0
+    assert await redis_backend.get(DONE) == b"1"
+    fields, ttl = await tally(redis_backend)
+    assert fields == {b"c": b"1", b"t": b"1000000", b"f:0": b"length|2|0"}
+    assert TTL_MS - 5_000 < ttl <= TTL_MS
+
+
+def test_only_a_first_stale_or_finishing_write_carries_a_tail() -> None:
+    delivery = Delivery(STREAM, "1-0", make_job("r1"), STAGE)
+    lease = RunLease(delivery, "wt/1", 0, 0, [])
+
+    def part(now_ms: int, *token_lists: list[int], final: bool = False) -> WritePart:
+        writes = JobWrites(lease)
+        for token_ids in token_lists:
+            writes.add(tok(lease, token_ids))
+            writes.tokens.extend(token_ids)
+        if final:
+            writes.add(fin(lease))
+            writes.finish = True
+        return writes.row(now_ms, refresh_ms=10_000)
+
+    row, tail, events = part(1_000, [])
+    assert (row.tail, tail, len(events)) == (0, None, 1)  # no tokens: nothing to touch
+    row, tail, _ = part(1_001, [1])
+    assert row.tail == 1 and tail == WriteTail(first_token_ms=1_001)
+    row, tail, events = part(11_000, [2], [3])
+    assert (row.tail, tail, row.sent_tokens, len(events)) == (0, None, 2, 2)
+    row, tail, _ = part(11_001, [4])
+    assert row.tail == 1 and tail == WriteTail()  # the bound passed: only the TTL
+    row, tail, _ = part(11_002, [5], final=True)
+    assert row.tail == 1 and tail == WriteTail(
+        ack_stream=STREAM,
+        ack_entry="1-0",
+        done_key=DONE,
+        finish_field="f:0",
+        finish_value="stop||0",
+    )
 
 
 # ------------------------------------------------------------------------- fencing

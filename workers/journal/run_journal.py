@@ -62,6 +62,11 @@ T = TypeVar("T")
 
 JOURNAL_RETRY_S = 30.0
 """How long a journal write rides out Redis trouble before the journal gives up."""
+SENT_REFRESH_SHARE = 0.1
+"""A run's writes set the TTL of its request's sent tally (the run TTL) with its first
+tokens and its final event, and otherwise only once this share of the TTL has passed
+since they last set it: the tally outlives the run's last write by at least the TTL less
+this share of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,9 @@ class RunLease:
     output must know where the text the client has ends (see ``Replay``)."""
     first_seq_unix: float | None = None
     """When this run numbered its first event (its first engine output, for tracing)."""
+    sent_refreshed_ms: int | None = None
+    """When this run's writes last set the TTL of the request's sent tally (None: none
+    carried tokens yet; the first that does also records the first-token time)."""
     _names: RunNames | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -144,11 +152,14 @@ class RunJournal:
         retry_for_s: float = JOURNAL_RETRY_S,
         scripts: JournalScripts | None = None,
         join_tokens: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._redis = redis
         self._join_tokens = join_tokens
         self._consumer = consumer
         self._run_ttl_ms = int(run_ttl_s * 1000)
+        self._sent_refresh_ms = int(self._run_ttl_ms * SENT_REFRESH_SHARE)
+        self._clock = clock
         self._on_fenced = on_fenced
         self._retry_for_s = retry_for_s
         self._scripts = scripts or JournalScripts(redis)
@@ -263,8 +274,8 @@ class RunJournal:
             job_count=len(batch),
             sent_ttl_ms=self._run_ttl_ms,
         )
-        now_ms = int(time.time() * 1000)
-        rows = [writes.row(now_ms) for writes in batch]
+        now_ms, refresh_ms = int(self._clock() * 1000), self._sent_refresh_ms
+        rows = [writes.row(now_ms, refresh_ms) for writes in batch]
         self._sending = batch
         try:
             fenced = await self._retrying(

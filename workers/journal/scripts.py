@@ -4,15 +4,17 @@ Each script's ``ARGV`` is a header and then, for the batch scripts, one row per
 job. Every header and row is a ``NamedTuple``: Python builds it by field name,
 and the Lua text unpacks the same field names into locals (:func:`lua_locals`),
 so the two sides cannot drift apart; no index arithmetic is kept in step by hand.
-A write row is followed by its ``event_count`` encoded events.
+A write row is followed by a :class:`WriteTail` when its ``tail`` flag says so (the
+fields only a finish or a touch of the sent tally needs), then by its ``event_count``
+encoded events; a row without a tail reads the tail's defaults (:func:`lua_defaults`).
 
 What the scripts do is described in :mod:`workers.journal.run_journal`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -20,11 +22,22 @@ from redis.asyncio.client import Pipeline
 
 def lua_locals(fields: Sequence[str], offset: str | int = 0) -> str:
     """``local a, b = ARGV[offset + 1], ARGV[offset + 2]``: one row's fields as Lua locals."""
+    return f"local {lua_assign(fields, offset)}"
+
+
+def lua_assign(fields: Sequence[str], offset: str | int = 0) -> str:
+    """``a, b = ARGV[offset + 1], ARGV[offset + 2]``: one row's fields into declared locals."""
 
     def at(n: int) -> str:
         return f"ARGV[{n}]" if offset == 0 else f"ARGV[{offset} + {n}]"
 
-    return f"local {', '.join(fields)} = {', '.join(at(n + 1) for n in range(len(fields)))}"
+    return f"{', '.join(fields)} = {', '.join(at(n + 1) for n in range(len(fields)))}"
+
+
+def lua_defaults(fields: Sequence[str], defaults: Mapping[str, str | int]) -> str:
+    """``local a, b = 'x', '0'``: a row's fields as Lua locals holding their defaults, as the
+    strings a script's ARGV would carry."""
+    return f"local {', '.join(fields)} = {', '.join(repr(str(defaults[f])) for f in fields)}"
 
 
 # --------------------------------------------------------------------------- begin
@@ -61,11 +74,12 @@ class WriteHeader(NamedTuple):
     group: str
     job_count: int
     sent_ttl_ms: int
-    """How long a request's sent tally (shared/queue/open_requests.py) outlives its last write."""
+    """The TTL a write sets on a request's sent tally (shared/queue/open_requests.py)."""
 
 
 class WriteRow(NamedTuple):
-    """One job's writes of a step; its ``event_count`` encoded events follow the row."""
+    """One job's writes of a step: a :class:`WriteTail` follows when ``tail`` is 1, then
+    the row's ``event_count`` encoded events."""
 
     run: str
     emitted: str
@@ -78,19 +92,33 @@ class WriteRow(NamedTuple):
     chars: int
     """Text characters the step's events carry, added to the run's ``chars`` (only runs
     that replay count them: 0 writes nothing)."""
-    ack_stream: str
-    """The job's stream when it finished (ack it), else ''."""
-    ack_entry: str
-    done_key: str
     sent: str
     """The request's sent tally (shared/queue/open_requests.py): usage if its gateway dies."""
     sent_tokens: int
-    now_ms: int
-    finish_field: str
-    """The tally field of the job's final event in this write ('' = none)."""
-    finish_value: str
+    """Added to the tally's ``c``; a write that creates ``c`` also sets the tally's TTL."""
     event_count: int
+    tail: int
+    """1: a :class:`WriteTail` follows; 0: the row reads the tail's defaults."""
 
+
+class WriteTail(NamedTuple):
+    """What only some of a job's writes need: its finish, or a touch of the request's sent
+    tally. A row with a tail that adds to the tally (tokens, a finish note) sets its TTL."""
+
+    first_token_ms: int = 0
+    """Recorded as the tally's first-token time unless one is there (0 = not the run's
+    first write with tokens)."""
+    ack_stream: str = ""
+    """The job's stream when it finished (ack it), else ''."""
+    ack_entry: str = ""
+    done_key: str = ""
+    finish_field: str = ""
+    """The tally field of the job's final event in this write ('' = none)."""
+    finish_value: str = ""
+
+
+WritePart: TypeAlias = tuple[WriteRow, WriteTail | None, Sequence[bytes]]
+"""One job's part of a write: its row, its tail (None: the row has none) and its events."""
 
 WRITE = f"""
 {lua_locals(WriteHeader._fields)}
@@ -99,8 +127,14 @@ local batches, reply_streams = {{}}, {{}}
 local i = {len(WriteHeader._fields)}
 for _ = 1, tonumber(job_count) do
   {lua_locals(WriteRow._fields, "i")}
-  local first, count = i + {len(WriteRow._fields) + 1}, tonumber(event_count)
-  i = i + {len(WriteRow._fields)} + count
+  i = i + {len(WriteRow._fields)}
+  {lua_defaults(WriteTail._fields, WriteTail._field_defaults)}
+  if tail == '1' then
+    {lua_assign(WriteTail._fields, "i")}
+    i = i + {len(WriteTail._fields)}
+  end
+  local first, count = i + 1, tonumber(event_count)
+  i = i + count
   local stored = redis.call('HMGET', run, 'seq', 'owner')
   local stored_seq, owner = tonumber(stored[1] or '0'), stored[2]
   local owned = owner == fence
@@ -109,14 +143,15 @@ for _ = 1, tonumber(job_count) do
   elseif not owner and ack_stream ~= '' and redis.call('EXISTS', run) == 0 then
     -- a finish whose run is gone: it landed already (its reply was lost), nothing to do
   elseif owned then
-    if tonumber(sent_tokens) > 0 then
-      redis.call('HINCRBY', sent, 'c', sent_tokens)
-      redis.call('HSETNX', sent, 't', now_ms)
+    local added = tonumber(sent_tokens)
+    local touch = tail == '1' and (added > 0 or finish_field ~= '')
+    if added > 0 then
+      -- a count this write creates is a tally with no TTL yet (new, or deleted at close)
+      if redis.call('HINCRBY', sent, 'c', added) == added then touch = true end
+      if first_token_ms ~= '0' then redis.call('HSETNX', sent, 't', first_token_ms) end
     end
     if finish_field ~= '' then redis.call('HSET', sent, finish_field, finish_value) end
-    if tonumber(sent_tokens) > 0 or finish_field ~= '' then
-      redis.call('PEXPIRE', sent, sent_ttl_ms)
-    end
+    if touch then redis.call('PEXPIRE', sent, sent_ttl_ms) end
     local batch = batches[reply_to]
     if batch == nil then
       batch = {{}}
@@ -268,13 +303,14 @@ class JournalScripts:
         """Queue one lease on ``pipe`` (its reply: attempt, next seq, emitted tokens)."""
         await self._begin(keys=[run, emitted], args=list(args), client=pipe)
 
-    async def write(
-        self, header: WriteHeader, rows: Sequence[tuple[WriteRow, Sequence[bytes]]]
-    ) -> list[Any]:
+    async def write(self, header: WriteHeader, rows: Sequence[WritePart]) -> list[Any]:
         """Returns the run keys of the rows that were fenced out (written nothing)."""
         args: list[Any] = list(header)
-        for row, events in rows:
-            args += [*row, *events]
+        for row, tail, events in rows:
+            args += row
+            if tail is not None:
+                args += tail
+            args += events
         fenced: list[Any] = await self._write(args=args)
         return fenced or []
 

@@ -3,6 +3,10 @@
 Events are encoded as they come; the step's tokens are appended to the job's
 emitted-token log, and its token count and final event go to the request's sent
 tally (shared/queue/open_requests.py), all in the same script call (workers/journal/run_journal.py).
+A row carries a tail (:class:`workers.journal.scripts.WriteTail`) only when the job
+finishes or its run touches the tally: its first write with tokens records the first-token
+time, and a later one sets the tally's TTL again only once a share of it has passed
+(``SENT_REFRESH_SHARE`` in workers/journal/run_journal.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING
 from shared.protocol import Event, TokenEvent, encode_payload
 from shared.queue.open_requests import finish_note
 from shared.token_runs import can_join, joined
-from workers.journal.scripts import WriteRow
+from workers.journal.scripts import WritePart, WriteRow, WriteTail
 
 if TYPE_CHECKING:
     from workers.journal.run_journal import RunLease
@@ -23,6 +27,8 @@ _TOKEN = struct.Struct("<i")
 
 
 def pack_tokens(token_ids: list[int]) -> bytes:
+    if len(token_ids) == 1:  # a decode step's usual share: no format string to build
+        return _TOKEN.pack(token_ids[0])
     return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
@@ -76,10 +82,13 @@ class JobWrites:
             self.events.append(encode_payload(self.tail))
             self.tail = None
 
-    def row(self, now_ms: int) -> tuple[WriteRow, list[bytes]]:
+    def row(self, now_ms: int, refresh_ms: int) -> WritePart:
+        """The job's part of the write sent at ``now_ms``: row, tail (:meth:`row_tail`) and
+        events."""
         self._close_tail()
-        lease, stream = self.lease, self.lease.delivery.stream
+        lease = self.lease
         redis_names = lease.redis_names
+        row_tail = self.row_tail(now_ms, refresh_ms)
         row = WriteRow(
             run=redis_names.run,
             emitted=redis_names.emitted,
@@ -88,14 +97,30 @@ class JobWrites:
             seq_after=lease.next_seq,
             tokens=pack_tokens(self.tokens),
             chars=self.chars if lease.counts_chars else 0,
-            ack_stream=stream if self.finish else "",
-            ack_entry=lease.delivery.entry_id if self.finish else "",
-            done_key=redis_names.done,
             sent=redis_names.sent,
             sent_tokens=self.sent_tokens,
-            now_ms=now_ms,
+            event_count=len(self.events),
+            tail=0 if row_tail is None else 1,
+        )
+        return row, row_tail, self.events
+
+    def row_tail(self, now_ms: int, refresh_ms: int) -> WriteTail | None:
+        """The row's tail, or None when it needs none: a finish (or final event) needs one,
+        and so do tokens when they are the run's first, or when this run last set the
+        tally's TTL ``refresh_ms`` or more ago (the lease keeps that time)."""
+        lease, sends_tokens = self.lease, self.sent_tokens > 0
+        refreshed = lease.sent_refreshed_ms
+        first_tokens = sends_tokens and refreshed is None
+        if sends_tokens and (refreshed is None or now_ms - refreshed >= refresh_ms):
+            lease.sent_refreshed_ms = now_ms
+        elif not self.finish and not self.finish_note[0]:
+            return None
+        delivery = lease.delivery
+        return WriteTail(
+            first_token_ms=now_ms if first_tokens else 0,
+            ack_stream=delivery.stream if self.finish else "",
+            ack_entry=delivery.entry_id if self.finish else "",
+            done_key=lease.redis_names.done if self.finish else "",
             finish_field=self.finish_note[0],
             finish_value=self.finish_note[1],
-            event_count=len(self.events),
         )
-        return row, self.events
