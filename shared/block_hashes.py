@@ -29,23 +29,42 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from itertools import islice
+from typing import Any, Protocol
 
 from shared.queue.kv_events import KvEvent, RemovedBlocks, StoredBlocks
 
+
+class HolderMap(Protocol):
+    """Block name -> bit mask of the workers holding the block (masks positive): a dict,
+    or the compiled table :func:`new_holders` makes."""
+
+    def __len__(self) -> int: ...
+    def __setitem__(self, name: int, mask: int, /) -> None: ...
+    def __delitem__(self, name: int, /) -> None: ...
+    def __contains__(self, name: object, /) -> bool: ...
+    def get(self, name: int, default: int, /) -> int: ...
+
+
 Tokens = list[int] | tuple[int, ...]
 _compiled_chain_names: Callable[[Tokens, int, int, int, int], list[int]] | None
-_compiled_walk_chain: (
-    Callable[[Tokens, int, int, int, dict[int, int], int], list[tuple[int, int]]] | None
-)
+_compiled_walk_chain: Callable[[Tokens, int, int, int, Any, int], list[tuple[int, int]]] | None
+_compiled_holders: Callable[[], HolderMap] | None
 try:
     from shared import _chain
 
     _compiled_chain_names, _compiled_walk_chain = _chain.chain_names, _chain.walk_chain
+    _compiled_holders = getattr(_chain, "Holders", None)  # 64-bit builds only
 except ImportError:  # built without a C compiler: see COMPILED
-    _compiled_chain_names = _compiled_walk_chain = None
+    _compiled_chain_names = _compiled_walk_chain = _compiled_holders = None
 
 COMPILED = _compiled_chain_names is not None
 """Whether block names are computed by the C extension (else by the Python reference)."""
+
+
+def new_holders() -> HolderMap:
+    """An empty :class:`HolderMap`: the compiled table where the extension has it (a walk
+    reads one slot per block there, against four cache lines of a dict), else a dict."""
+    return _compiled_holders() if _compiled_holders is not None else {}
 
 
 @lru_cache(maxsize=4096)
@@ -107,7 +126,7 @@ def walk_chain(
     block_size: int,
     count: int,
     seed: int,
-    holders: dict[int, int],
+    holders: HolderMap,
     held: int,
 ) -> list[tuple[int, int]]:
     """Walk the chain of the first ``count`` blocks' names from ``seed`` while some bits of
@@ -128,7 +147,7 @@ def python_walk_chain(
     block_size: int,
     count: int,
     seed: int,
-    holders: dict[int, int],
+    holders: HolderMap,
     held: int,
 ) -> list[tuple[int, int]]:
     """:func:`walk_chain` in Python (its definition); names a block only when every block

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
-from shared.block_hashes import EngineBlockMap, chain_seed, prompt_blocks, walk_chain
+from shared.block_hashes import (
+    EngineBlockMap,
+    chain_seed,
+    new_holders,
+    prompt_blocks,
+    walk_chain,
+)
 from shared.queue.kv_events import KvBatch, KvEvent, KvSnapshot, PendingBlocks
 
 log = logging.getLogger(__name__)
@@ -53,7 +59,7 @@ class PrefixIndex:
         self.pending_s = pending_s
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
         """Announcements in the order they expire: (when, worker, names)."""
-        self._holders: dict[int, int] = {}
+        self._holders = new_holders()
         """Block name -> bit mask of the workers holding it."""
         self._workers: dict[str, _Worker] = {}
         self._masks: dict[str, dict[str, int]] = {}
@@ -278,11 +284,11 @@ class PrefixIndex:
         mask = 1 << worker.bit
         holders = self._holders
         for name in names:
-            current = holders.get(name)
-            if current is None and len(holders) >= self.max_blocks:
+            current = holders.get(name, 0)  # 0: not held (a held block's mask is positive)
+            if not current and len(holders) >= self.max_blocks:
                 self._full()
                 continue
-            holders[name] = (current or 0) | mask
+            holders[name] = current | mask
 
     def _full(self) -> None:
         self.not_indexed += 1
@@ -298,8 +304,8 @@ class PrefixIndex:
         keep = ~(1 << worker.bit)
         holders = self._holders
         for name in names:
-            current = holders.get(name)
-            if current is None:
+            current = holders.get(name, 0)
+            if not current:
                 continue
             current &= keep
             if current:

@@ -3,8 +3,8 @@
 redis-py's asyncio connections pack a command in Python, joining each argument onto
 the bytes packed so far (up to 6,000 of them before a new piece starts), so a command
 with thousands of arguments copies kilobytes per argument. A worker's journal write for
-one engine step of 128 sequences (16 arguments and an event each) took 3.4 to 9 ms to
-pack on a busy 2-core machine: 27 to 70 µs per streamed token. hiredis (a dependency,
+one engine step of 128 sequences (a dozen or more arguments and an event each) took 3.4
+to 9 ms to pack on a busy 2-core machine: 27 to 70 µs per streamed token. hiredis (a dependency,
 through ``redis[hiredis]``) packs the same bytes in C, as redis-py's sync connections
 already do when it is installed (``redis.connection.HiredisRespSerializer``): 2 to 3 µs
 per sequence there.
