@@ -22,12 +22,10 @@ from typing import Any
 
 from starlette.types import Send
 
+from gateway.dispatch.reply_inbox import TIMER_SLACK_S
 from gateway.dispatch.reply_router import StreamInterrupted
 from gateway.dispatch.request_handle import RequestHandle
 from shared.protocol import Event, TokenEvent
-
-TIMER_SLACK_S = 0.001
-"""A timer may fire this much before its moment (uvloop's run in whole milliseconds)."""
 
 Render = Callable[[TokenEvent], bytes | None]
 """A token event's chunk (None: nothing to send for it yet)."""
