@@ -68,8 +68,13 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self._handle:
-            start = {"type": "http.response.start", "status": self.status_code}
-            await send({**start, "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             body_send = scope.get(RAW_SEND, send)
             if self._push is not None:
                 self._push.send = body_send
@@ -170,7 +175,8 @@ async def stream_events(
         event_id = event_id_of(event.index, event.seq, single=single)
         return sse_data(with_usage(chunk, event.index), event_id)
 
-    lend = push is not None and not join_waiting
+    if join_waiting:
+        push = None  # joining reads what waits in the inbox: every event goes through here
     # Chunks of events that arrived together leave in one write (one send per wakeup).
     pending: list[bytes] = []
     try:
@@ -221,7 +227,7 @@ async def stream_events(
             if pending:
                 yield pending[0] if len(pending) == 1 else b"".join(pending)
                 pending.clear()
-            if lend and push is not None and not handle.finished:
+            if push is not None and not handle.finished:
                 while await push.lend(handle, token_chunk, keepalive_s):
                     yield KEEPALIVE
         if include_usage:

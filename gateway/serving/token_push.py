@@ -46,7 +46,7 @@ class TokenPush:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._quiet_s = 0.0
-        self._last_write = 0.0
+        self._last_event = 0.0
         """Loop time of the last event taken."""
 
     async def lend(self, handle: RequestHandle, render: Render, quiet_s: float) -> bool:
@@ -59,7 +59,7 @@ class TokenPush:
         ended: asyncio.Future[bool] = loop.create_future()
         self._ended = ended
         self._handle, self._render, self._quiet_s = handle, render, quiet_s
-        self._last_write = loop.time()
+        self._last_event = loop.time()
         self._arm()
         handle.push_to(self._offer)
         try:
@@ -87,7 +87,7 @@ class TokenPush:
             self._end(quiet=False)
             return False
         assert self._loop is not None
-        self._last_write = self._loop.time()  # quiet means no event, as for a pulled stream
+        self._last_event = self._loop.time()  # quiet means no event, as for a pulled stream
         try:
             chunk = render(item)
             if chunk is not None:
@@ -125,9 +125,9 @@ class TokenPush:
 
     def _arm(self) -> None:
         """One timer per lend, for the keep-alive or the deadline, whichever comes first;
-        it moves only when it fires (writes only note the time)."""
+        it moves only when it fires (events only note the time)."""
         assert self._loop is not None and self._handle is not None
-        due = min(self._last_write + self._quiet_s, self._loop.time() + self._handle.remaining_s())
+        due = min(self._last_event + self._quiet_s, self._loop.time() + self._handle.remaining_s())
         self._timer = self._loop.call_at(due, self._on_timer)
 
     def _on_timer(self) -> None:
@@ -137,7 +137,7 @@ class TokenPush:
             return
         if self._handle.remaining_s() <= TIMER_SLACK_S:
             self._end(quiet=False)  # the task ends the request with its timeout error
-        elif self._loop.time() >= self._last_write + self._quiet_s - TIMER_SLACK_S:
+        elif self._loop.time() >= self._last_event + self._quiet_s - TIMER_SLACK_S:
             self._end(quiet=True)
         else:
             self._arm()
