@@ -9,8 +9,10 @@ the offered load is ``streams / step``. At each number of concurrent streams the
 doubles (new workers with a shorter step) until the latency the path adds to a token
 (inter-token latency p99 minus the step time) passes 50 ms, with one try in between;
 the knee is the best level that held. For each level: CPU µs per streamed token of the
-gateways, the workers (the fake engine's sleep costs no CPU, its bookkeeping is
-inside), Redis and the load clients, read from /proc before and after.
+gateways, the worker runtime, the fake engine, Redis and the load clients, read from
+/proc before and after. The fake engine's sleep costs no CPU; what its step loop costs
+(planning steps, making every sequence's output) it counts itself and reports in the
+worker's registry entry (``engine_cpu_s``), and that is taken off the workers' CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import redis
 
 from bench.cpu import machine_busy_s, tree_cpu_s
@@ -45,8 +48,10 @@ from bench.knee import (
 from bench.report import source_state
 from bench.servers import ManagedServer, free_port
 from shared.queue import names
+from shared.queue.liveness import WorkerRegistration
 
-ROLES = ("gateway", "worker", "redis", "client")
+ROLES = ("gateway", "worker", "engine", "redis", "client")
+"""Read from /proc but "engine": the part of the workers' CPU their fake engines report."""
 SERVED_NAME = "ceiling"
 READY_STREAK = 20
 START_STEP_MS = 50.0
@@ -240,6 +245,32 @@ class Cluster:
             client.close()
 
 
+def engine_cpu_s(redis_url: str) -> float:
+    """The fake engines' own CPU seconds so far, as their workers last reported them.
+
+    A worker reports at every heartbeat, so each figure lags by up to a beat; under a
+    steady load the lags cancel in a difference over a window of several seconds."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+        values = client.mget(keys) if keys else []
+    finally:
+        client.close()
+    total = 0.0
+    for value in values:
+        if value is None:
+            continue
+        entry = msgspec.json.decode(value, type=WorkerRegistration)
+        if entry.model == SERVED_NAME and entry.engine_stats is not None:
+            total += entry.engine_stats.engine_cpu_s
+    return total
+
+
+def _cpu_s(roots: dict[str, list[int]], redis_url: str) -> dict[str, float]:
+    spent = {role: sum(tree_cpu_s(pid) for pid in pids) for role, pids in roots.items()}
+    return {**spent, "engine": engine_cpu_s(redis_url)}
+
+
 def _client_count(args: argparse.Namespace, streams: int) -> int:
     return args.clients or max(1, math.ceil(streams / 512))
 
@@ -283,10 +314,10 @@ def measure(cluster: Cluster, streams: int, step_ms: float) -> Measured:
         "client": [c.pid for c in clients],
     }
     time.sleep(max(0.0, window_start - time.monotonic()))
-    before = {role: sum(tree_cpu_s(pid) for pid in pids) for role, pids in roots.items()}
+    before = _cpu_s(roots, args.redis_url)
     busy_before = machine_busy_s()
     time.sleep(max(0.0, window_end - time.monotonic()))
-    after = {role: sum(tree_cpu_s(pid) for pid in pids) for role, pids in roots.items()}
+    after = _cpu_s(roots, args.redis_url)
     busy = machine_busy_s() - busy_before
     results = [json.loads(c.communicate(timeout=600 + request_s)[0]) for c in clients]
     return _summarize(streams, step_ms, window, results, before, after, busy)
@@ -323,6 +354,7 @@ def _summarize(
         errors=sum(r["errors"] for r in results),
     )
     seconds = {role: after[role] - before[role] for role in ROLES}
+    seconds["worker"] -= seconds["engine"]  # the worker runtime alone
     return Measured(
         level=level,
         cpu=CpuSplit(wall_s=window, tokens=tokens, seconds=seconds),
@@ -371,7 +403,7 @@ def _print_level(m: Measured) -> None:
 def _print_summary(table: list[tuple[int, int, list[Measured]]], budget_ms: float) -> None:
     print(f"\nCeiling (added ITL p99 <= {budget_ms:.0f} ms):")
     header = (
-        "gateways streams   tok/s   req/s  ITL p99  gw us/tok  worker  redis  client"
+        "gateways streams   tok/s   req/s  ITL p99  gw us/tok  worker  engine  redis  client"
         "  tok/s per gw core  busiest (cores)"
     )
     print(header)
@@ -389,7 +421,8 @@ def _print_summary(table: list[tuple[int, int, list[Measured]]], budget_ms: floa
         print(
             f"{gateways:8d} {streams:7d} {best.tokens_per_s:7.0f} {best.requests_per_s:7.1f}"
             f" {best.itl_p99_ms:8.1f} {m.cpu.us_per_token('gateway'):10.1f}"
-            f" {m.cpu.us_per_token('worker'):7.1f} {m.cpu.us_per_token('redis'):6.1f}"
+            f" {m.cpu.us_per_token('worker'):7.1f} {m.cpu.us_per_token('engine'):7.1f}"
+            f" {m.cpu.us_per_token('redis'):6.1f}"
             f" {m.cpu.us_per_token('client'):7.1f} {m.cpu.tokens_per_core_s('gateway'):18.0f}"
             f"  {busy}; machine {m.machine_busy_s / m.cpu.wall_s:.2f}{note}"
         )

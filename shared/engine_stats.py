@@ -68,6 +68,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Engine steps per :data:`ITERATION_TOKENS_BUCKETS` bucket (not cumulative), the
     last one for +Inf; empty when no step ran."""
     iteration_tokens_sum: int = 0
+    engine_cpu_s: float = 0.0
+    """CPU seconds the engine's own code took in the worker's process: the fake
+    engine's step loop (planning steps, making outputs). 0 for vLLM, whose engine core
+    is a process of its own. Benchmarks take it off the worker's CPU."""
 
 
 class StatsRecorder:
@@ -86,6 +90,7 @@ class StatsRecorder:
         self.preemptions = 0
         self._steps = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._steps_tokens = 0
+        self.engine_cpu_s = 0.0
 
     def scheduler(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running, self.waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
@@ -110,4 +115,5 @@ class StatsRecorder:
             preemptions=self.preemptions,
             iteration_tokens=steps if any(steps) else (),
             iteration_tokens_sum=self._steps_tokens,
+            engine_cpu_s=round(self.engine_cpu_s, 6),
         )

@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from shared.protocol import SamplingOptions
@@ -227,6 +228,60 @@ async def test_preempts_the_last_sequence_when_kv_runs_out(model: Path) -> None:
     both = await asyncio.gather(generate(fake, [1, 2, 3], 6), generate(fake, [9, 8, 7], 6))
     assert both[0] == alone and len(both[1]) == 6
     assert fake.scheduler.stats.preemptions >= 1
+    fake.shutdown()
+
+
+async def test_step_loop_counts_its_own_cpu_time_in_the_published_figures(
+    model: Path,
+) -> None:
+    fake = engine(model, FakeClock())
+    assert fake.engine_stats.snapshot().engine_cpu_s == 0.0
+    await generate(fake, list(range(100, 160)), 8)
+    spent = fake.engine_stats.engine_cpu_s
+    assert spent > 0.0
+    assert fake.engine_stats.snapshot().engine_cpu_s == pytest.approx(spent, abs=1e-6)
+    fake.shutdown()
+
+
+async def test_a_slow_consumer_gets_the_steps_it_missed_in_one_output(model: Path) -> None:
+    fake = engine(model, FakeClock(), fake_step_per_seq_us=0.0)
+    sampling = SamplingOptions(max_tokens=6, temperature=0.0, logprobs=1)
+    alone = [s async for s in fake.generate("a", [7, 8, 9], sampling)]
+    outputs = []
+    async for step in fake.generate("b", [7, 8, 9], sampling):
+        outputs.append(step)
+        for _ in range(5):  # the engine runs several steps meanwhile
+            await asyncio.sleep(0)
+    assert len(outputs) < len(alone)
+    assert [t for s in outputs for t in s.token_ids] == [t for s in alone for t in s.token_ids]
+    assert sum(len(s.logprobs or []) for s in outputs) == 6
+    assert outputs[-1].finish_reason == "length"
+    fake.shutdown()
+
+
+async def test_a_stop_string_ends_the_sequence_in_its_step(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(
+        '{"vocab_size": 27, "max_position_embeddings": 1024, "eos_token_id": 0}'
+    )
+    fake = engine(tmp_path, FakeClock())
+    greedy = SamplingOptions(max_tokens=12, temperature=0.0)
+    free = [s async for s in fake.generate("free", [1, 2], greedy)]
+    text = "".join(s.text for s in free)
+    stop = text.split()[2]  # one letter: no text held back for a partial match
+    sampling = msgspec.structs.replace(greedy, stop=(stop,))
+    stopped = []
+    async for step in fake.generate("stopped", [1, 2], sampling):
+        stopped.append(step)
+        if step.finish_reason is not None:
+            assert fake.counts() == (0, 0)  # the step that found it ended the sequence
+    assert "".join(s.text for s in stopped) == text[: text.index(stop)]
+    assert stopped[-1].finish_reason == "stop"
     fake.shutdown()
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from shared.engine_stats import StatsRecorder
 from shared.errors import EngineDead, EngineError, InvalidRequest
-from shared.protocol import SamplingOptions, TokenLogprob, is_guided
+from shared.protocol import SamplingOptions, is_guided
 from shared.queue import kv_events as wire
 from shared.settings import Settings
 from workers.engines.base import (
@@ -34,8 +34,7 @@ from workers.engines.fake.events import KvEventBatch, KvEventPublisher, to_wire
 from workers.engines.fake.kv_cache import KvCache
 from workers.engines.fake.model_folder import ModelShape, read_model_folder
 from workers.engines.fake.scheduler import Clock, Limits, Scheduler, StepTiming
-from workers.engines.fake.sequence import Emitted, Sequence
-from workers.engines.fake.text import TextStream
+from workers.engines.fake.sequence import Sequence
 from workers.engines.fake.tokens import Vocabulary, fold, mix64
 
 log = logging.getLogger(__name__)
@@ -102,17 +101,11 @@ class FakeEngine:
     ) -> AsyncIterator[StepOutput]:
         """Stream one sequence (``handoff`` is ignored: a fake decode computes the prompt)."""
         self._check(prompt_token_ids, sampling, images)
-        if job_id in self._sequences:
-            raise EngineError(f"request id {job_id} is already running")
-        seq = Sequence.new(job_id, prompt_token_ids, sampling, self._vocab, adapter)
-        text = TextStream(self.shape.tokenizer, sampling.stop, sampling.skip_special_tokens)
-        self._sequences[job_id] = seq
+        seq = self._admit(job_id, prompt_token_ids, sampling, adapter)
         self.scheduler.add(seq)
         try:
             while True:
-                step = self._step_output(seq, await self._next_outputs(seq), text)
-                if text.stopped and step.finish_reason is None:
-                    step = dataclasses.replace(step, finish_reason="stop")
+                step = await self._next_output(seq)
                 yield step
                 if step.finish_reason is not None:
                     self._count_prompt(seq)
@@ -121,27 +114,23 @@ class FakeEngine:
             self._sequences.pop(job_id, None)
             self.scheduler.finish(seq, None)  # a cancelled consumer: the sequence ends too
 
-    async def _next_outputs(self, seq: Sequence) -> list[Emitted]:
-        """What the sequence got since the last yield (several steps, if the consumer
-        was slower than the engine)."""
-        outputs = [await seq.outputs.get()]
-        while outputs[-1].finish_reason is None and not seq.outputs.empty():
-            outputs.append(seq.outputs.get_nowait())
-        return outputs
+    def _admit(
+        self, job_id: str, prompt: list[int], sampling: SamplingOptions, adapter: str | None
+    ) -> Sequence:
+        self._check(prompt, sampling, None)
+        if job_id in self._sequences:
+            raise EngineError(f"request id {job_id} is already running")
+        seq = Sequence.new(job_id, prompt, sampling, self._vocab, self.shape.tokenizer, adapter)
+        self._sequences[job_id] = seq
+        return seq
 
-    def _step_output(self, seq: Sequence, outputs: list[Emitted], text: TextStream) -> StepOutput:
-        tokens = [out.token_id for out in outputs if out.token_id is not None]
-        logprobs: list[TokenLogprob] | None = None
-        if seq.sampling.logprobs is not None:
-            logprobs = [out.logprob for out in outputs if out.logprob is not None]
-        return StepOutput(
-            token_ids=tokens,
-            text=text.delta(tokens),
-            logprobs=logprobs,
-            finish_reason=outputs[-1].finish_reason,
-            prompt_tokens=seq.prompt_len,
-            cached_tokens=seq.cached_tokens,
-        )
+    async def _next_output(self, seq: Sequence) -> StepOutput:
+        """What the sequence got since the last yield: several steps in one, if the
+        consumer was slower than the engine (as vLLM merges them)."""
+        output = await seq.outputs.get()
+        while output.finish_reason is None and not seq.outputs.empty():
+            output = merged(output, seq.outputs.get_nowait())
+        return output
 
     def _check(
         self, prompt: list[int], sampling: SamplingOptions, images: PromptImages | None
@@ -249,6 +238,18 @@ class FakeEngine:
                 yield [to_wire(event) for event in batch.events]
         finally:
             self.events.unsubscribe(batches.put_nowait)
+
+
+def merged(first: StepOutput, then: StepOutput) -> StepOutput:
+    logprobs = None
+    if first.logprobs is not None and then.logprobs is not None:
+        logprobs = first.logprobs + then.logprobs
+    return dataclasses.replace(
+        then,
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        logprobs=logprobs,
+    )
 
 
 class FakeAdmin:

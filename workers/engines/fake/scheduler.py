@@ -8,7 +8,11 @@ sequence finds no free block, the last admitted sequence is preempted: its block
 back and it waits to be recomputed.
 
 A step takes ``base + per_seq * sequences + prefill_per_token * prefill tokens``,
-divided by the speed-up, on an injected :class:`Clock`.
+divided by the speed-up, on an injected :class:`Clock`. The step loop makes every
+sequence's output (token, text, finish) itself, as vLLM's engine and output processor
+do, and counts the CPU time that costs (``recorder.engine_cpu_s``), apart from the
+consumers that take the outputs: a benchmark can then tell the worker runtime's CPU
+from the engine's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine_stats import StatsRecorder
+from workers.engines.base import StepOutput
 from workers.engines.fake.events import KvEventPublisher
 from workers.engines.fake.kv_cache import KvCache
 from workers.engines.fake.sequence import Emitted, Sequence
@@ -116,7 +121,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self._record_state()
         if reason is not None:
-            seq.outputs.put_nowait(Emitted(None, None, reason))
+            seq.outputs.put_nowait(seq.output(Emitted(None, None, reason)))
 
     def failure(self) -> BaseException | None:
         """Why the step loop stopped, if it did."""
@@ -139,17 +144,24 @@ class Scheduler:
             await self.step()
 
     async def step(self) -> None:
-        """Plan one step, wait for its modelled time, then apply it."""
+        """Plan one step, wait for its modelled time, apply it, then hand each sequence
+        its output."""
+        started = time.thread_time()
         plan = self.plan()
         duration = self.timing.step_s(len(plan.batch), plan.prefill_tokens)
+        self.recorder.engine_cpu_s += time.thread_time() - started
         await self.clock.sleep(duration)
+        started = time.thread_time()
         self.stats.steps += 1
         self.stats.busy_s += duration
         self.stats.prefill_tokens += plan.prefill_tokens
-        self.apply(plan)
+        outputs = self.apply(plan)
         self.events.flush()
         self.recorder.step(sum(tokens for _, tokens in plan.batch))
         self._record_state()
+        self.recorder.engine_cpu_s += time.thread_time() - started
+        for seq, output in outputs:
+            seq.outputs.put_nowait(output)
 
     def _record_state(self) -> None:
         self.recorder.scheduler(
@@ -185,7 +197,9 @@ class Scheduler:
             budget -= tokens
         return plan
 
-    def apply(self, plan: Plan) -> None:
+    def apply(self, plan: Plan) -> list[tuple[Sequence, StepOutput]]:
+        """Compute the planned tokens; the outputs of the sequences that sampled one."""
+        outputs = []
         for seq, tokens in plan.batch:
             if seq.finished or seq not in self.running:
                 continue
@@ -193,11 +207,12 @@ class Scheduler:
             self.kv.commit(seq.table, seq.token_ids, seq.computed)
             if seq.computed < len(seq.token_ids):
                 continue  # a prompt chunk: the prompt is not done
-            emitted = seq.sample()
+            output = seq.output(seq.sample())
             self.stats.tokens_out += 1
-            seq.outputs.put_nowait(emitted)
-            if emitted.finish_reason is not None:
+            outputs.append((seq, output))
+            if output.finish_reason is not None:
                 self.finish(seq, None)
+        return outputs
 
     # ------------------------------------------------------------------ internals
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol import SamplingOptions, TokenLogprob
+from workers.engines.base import StepOutput
 from workers.engines.fake.kv_cache import BlockTable
+from workers.engines.fake.text import TextStream
 from workers.engines.fake.tokens import TokenPicker, Vocabulary
 
 
@@ -26,6 +29,7 @@ class Sequence:
     """Prompt, then every output token."""
     sampling: SamplingOptions
     picker: TokenPicker
+    text: TextStream
     table: BlockTable
     prompt_len: int
     computed: int = 0
@@ -35,7 +39,8 @@ class Sequence:
     everything the sequence had."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache at the first admission."""
-    outputs: asyncio.Queue[Emitted] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
+    """Where the sequence's outputs wait for its consumer."""
     finished: bool = False
 
     @classmethod
@@ -45,10 +50,12 @@ class Sequence:
         prompt: list[int],
         sampling: SamplingOptions,
         vocab: Vocabulary,
+        tokenizer: Any | None = None,
         extra: str | None = None,
     ) -> Sequence:
         picker = TokenPicker(vocab, prompt, sampling.temperature, sampling.seed)
-        return cls(job_id, list(prompt), sampling, picker, BlockTable(extra), len(prompt))
+        text = TextStream(tokenizer, sampling.stop, sampling.skip_special_tokens)
+        return cls(job_id, list(prompt), sampling, picker, text, BlockTable(extra), len(prompt))
 
     @property
     def output_len(self) -> int:
@@ -69,6 +76,26 @@ class Sequence:
         self.picker.push(token)
         self.token_ids.append(token)
         return Emitted(token, logprob, self._finish_reason(token))
+
+    def output(self, emitted: Emitted) -> StepOutput:
+        """The step's output for the consumer: its text, cut at a stop string (which ends
+        the sequence, as in vLLM)."""
+        tokens = [] if emitted.token_id is None else [emitted.token_id]
+        text = self.text.delta(tokens)
+        finish_reason = emitted.finish_reason
+        if self.text.stopped and finish_reason is None:
+            finish_reason = "stop"
+        logprobs: list[TokenLogprob] | None = None
+        if self.sampling.logprobs is not None:
+            logprobs = [] if emitted.logprob is None else [emitted.logprob]
+        return StepOutput(
+            token_ids=tokens,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached_tokens,
+        )
 
     def _finish_reason(self, token: int) -> str | None:
         """vLLM's order: a stop token id wins over the length limit."""
