@@ -54,6 +54,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     names = args.scenario or list(scenarios.SCENARIOS)
+    if args.engine == "fake":
+        asked = scenarios.ENGINE_PROCESS_SCENARIOS.intersection(args.scenario or ())
+        if asked:
+            parser.error(f"{sorted(asked)} need an engine process; the fake engine has none")
+        names = [name for name in names if name not in scenarios.ENGINE_PROCESS_SCENARIOS]
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-chaos-"))
     cluster = Cluster(
         write_demo_model(workdir / "model"),

@@ -153,6 +153,10 @@ SCENARIOS: dict[str, Fault] = {
     "engine process killed": kill_engine,
 }
 
+ENGINE_PROCESS_SCENARIOS = frozenset({"engine process killed"})
+"""Scenarios that need an engine in a process of its own (vLLM's engine core); the fake
+engine runs inside its worker."""
+
 OUTAGE_S: dict[str, float] = {
     "redis SIGKILL (AOF)": 0.5,
     "redis stall (DEBUG SLEEP 3)": 3.0,
