@@ -1,13 +1,17 @@
 """Commands packed by hiredis are byte for byte what redis-py packs, and refuse what
-redis-py refuses; a client from ``connect`` runs scripts and pipelines with them."""
+redis-py refuses; a client from ``connect`` runs scripts and pipelines with them, and
+writes each command in the caller's task, within ``socket_timeout``."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from typing import Any
 
 import pytest
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.connections.connect import connect
 from shared.connections.packing import HiredisPacking, packing
@@ -63,3 +67,47 @@ async def test_a_connected_client_runs_scripts_and_pipelines() -> None:
             assert await pipe.execute() == [True, "é".encode(), 1]
     finally:
         await client.aclose()
+
+
+@pytest.mark.redis
+async def test_a_command_is_written_in_the_callers_task() -> None:
+    """No task per command: redis-py's ``asyncio.wait_for`` around each write made one."""
+    _require_real_redis(REAL_REDIS_URL)
+    client = connect(REAL_REDIS_URL)
+    loop = asyncio.get_running_loop()
+    made: list[object] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    try:
+        await client.get("conveyor:test:packing")  # connected, health-checked
+        loop.set_task_factory(counting)
+        for _ in range(5):
+            await client.get("conveyor:test:packing")
+        assert made == []
+    finally:
+        loop.set_task_factory(None)
+        await client.aclose()
+
+
+async def test_a_write_the_server_does_not_take_times_out_and_drops_the_connection() -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never reads
+    port = silent.getsockname()[1]
+    connection = packing(Connection)(
+        host="127.0.0.1",
+        port=port,
+        socket_timeout=0.3,
+        protocol=2,
+        lib_name=None,
+        lib_version=None,
+    )
+    try:
+        await connection.connect()
+        with pytest.raises(RedisTimeoutError, match="Timeout writing to socket"):
+            await connection.send_packed_command([b"x" * (64 << 20)], check_health=False)
+        assert not connection.is_connected
+    finally:
+        await connection.disconnect()
+        silent.close()
