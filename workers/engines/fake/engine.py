@@ -101,7 +101,12 @@ class FakeEngine:
     ) -> AsyncIterator[StepOutput]:
         """Stream one sequence (``handoff`` is ignored: a fake decode computes the prompt)."""
         self._check(prompt_token_ids, sampling, images)
-        seq = self._admit(job_id, prompt_token_ids, sampling, adapter)
+        if job_id in self._sequences:
+            raise EngineError(f"request id {job_id} is already running")
+        seq = Sequence.new(
+            job_id, prompt_token_ids, sampling, self._vocab, self.shape.tokenizer, adapter
+        )
+        self._sequences[job_id] = seq
         self.scheduler.add(seq)
         try:
             while True:
@@ -113,16 +118,6 @@ class FakeEngine:
         finally:
             self._sequences.pop(job_id, None)
             self.scheduler.finish(seq, None)  # a cancelled consumer: the sequence ends too
-
-    def _admit(
-        self, job_id: str, prompt: list[int], sampling: SamplingOptions, adapter: str | None
-    ) -> Sequence:
-        self._check(prompt, sampling, None)
-        if job_id in self._sequences:
-            raise EngineError(f"request id {job_id} is already running")
-        seq = Sequence.new(job_id, prompt, sampling, self._vocab, self.shape.tokenizer, adapter)
-        self._sequences[job_id] = seq
-        return seq
 
     async def _next_output(self, seq: Sequence) -> StepOutput:
         """What the sequence got since the last yield: several steps in one, if the
