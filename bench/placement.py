@@ -212,6 +212,10 @@ def measure_round(bench: Bench, number: int, server: ManagedServer, into: Varian
             f"ideal {summary.ideal_cached_tokens}; ideal minus cached by turn: {missed}",
             flush=True,
         )
+    ttft = ", ".join(
+        f"{turn}: {p50:.0f}/{p99:.0f}" for turn, (p50, p99) in summary.ttft_by_turn.items()
+    )
+    print(f"    TTFT p50/p99 ms by turn: {ttft}", flush=True)
 
 
 MATCHED_BLOCKS = "matched blocks"

@@ -44,6 +44,8 @@ class RoundSummary:
     missed_by_turn: dict[int, int] = field(default_factory=dict)
     """Turn number (1 = a conversation's first) -> ideal minus cached tokens: where the
     fleet's caches fell short of one infinite cache."""
+    ttft_by_turn: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Turn number -> TTFT p50 and p99 (ms) of that turn across conversations."""
 
 
 def summarize(
@@ -88,6 +90,7 @@ def summarize(
         token_count_mismatches=sum(results[i].prompt_tokens != len(prompts[i]) for i in good),
         error_samples=errors[:MAX_ERROR_SAMPLES],
         missed_by_turn=_missed_by_turn(results, good, ideal_all),
+        ttft_by_turn=_ttft_by_turn(results, good),
     )
 
 
@@ -99,6 +102,19 @@ def _missed_by_turn(
         turn = results[i].turn + 1
         missed[turn] = missed.get(turn, 0) + ideal[i] - (results[i].cached_tokens or 0)
     return dict(sorted(missed.items()))
+
+
+def _ttft_by_turn(
+    results: Sequence[TurnResult], good: Sequence[int]
+) -> dict[int, tuple[float, float]]:
+    ttfts: dict[int, list[float]] = {}
+    for i in good:
+        r = results[i]
+        ttfts.setdefault(r.turn + 1, []).append((r.first_token or r.start) - r.start)
+    return {
+        turn: (percentile(values, 50) * 1000, percentile(values, 99) * 1000)
+        for turn, values in sorted(ttfts.items())
+    }
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from shared.protocol import GenerateJob, Job
-from shared.queue import names
 from shared.queue.job_queue import JobQueue, JobStream
 from shared.queue.kv_events import KvEventWriter
 from shared.queue.liveness import GatewayWatch, HeartbeatThread, WorkerRegistry
@@ -198,7 +197,7 @@ def build_worker(
         if heartbeat_redis_url is None
         else HeartbeatThread(
             heartbeat_redis_url,
-            names.worker_heartbeat(worker_id),
+            worker_id,
             policy.heartbeat_ttl_s,
             lambda: registry.encode(status()),
         )

@@ -2,13 +2,14 @@
 
 Every gateway runs one sweep; every ``interval_s`` it:
 
-1. lists the gateways that have open requests (their ``open-requests`` hashes);
+1. lists the gateways that queued requests on this Redis (``names.GATEWAY_SET``: one
+   read however many keys Redis holds);
 2. keeps those whose liveness key has been missing for a whole grace period
    (:class:`~shared.queue.liveness.GatewayWatch`: the same rule workers use before they
    abort a gateway's jobs), never itself;
 3. for each of their requests, builds the usage row from what the workers sent and
    closes it: the script queues the row only if the request was still open, so two
-   sweeping gateways write it once;
+   sweeping gateways write it once; a gateway with none left leaves the set;
 4. the sweep that closed it settles the key's limit reservation with what was used,
    as the dead gateway would have (unused tokens back, the concurrency slot freed).
 """
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 5.0
 
+FORGET_GATEWAY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SREM', KEYS[2], ARGV[1]) end
+"""
+"""A gone gateway leaves the set once it has no open request left (in one step: a request
+it queued meanwhile keeps it listed)."""
+
 
 class OrphanUsageSweep:
     def __init__(
@@ -47,6 +54,7 @@ class OrphanUsageSweep:
         self._interval_s = interval_s
         self._open = OpenRequests(redis)
         self._limits = KeyLimitCounters(redis)
+        self._forget = redis.register_script(FORGET_GATEWAY)
         self.rows_written = 0
 
     async def run(self) -> None:
@@ -59,14 +67,14 @@ class OrphanUsageSweep:
 
     async def sweep(self) -> int:
         """One pass; returns the usage rows it queued."""
-        others = [
-            gateway
-            async for key in self._redis.scan_iter(names.OPEN_REQUESTS_PATTERN, 100)
-            if (gateway := names.gateway_of_open_requests(as_text(key))) != self._gateway_id
-        ]
+        listed = await self._redis.smembers(names.GATEWAY_SET)
+        others = [g for g in map(as_text, listed) if g != self._gateway_id]
         written = 0
         for gateway in sorted(await self._watch.gone(others)):
             written += await self._close_all(gateway)
+            await self._forget(
+                keys=[names.open_requests(gateway), names.GATEWAY_SET], args=[gateway]
+            )
         self.rows_written += written
         return written
 

@@ -49,8 +49,8 @@ _ADMIT = (
 -- limit arguments (when limited), then one payload per job, then the JSON schema ('' =
 -- none: stored once for all the jobs) and its ttl, then the open record
 -- (shared.queue.open_requests; optional), then its hash's ttl, then (with the open record)
--- the gateway's id and the status record's ttl (shared.queue.request_status; its key is
--- the last of KEYS, after the schema key).
+-- the gateway's id (added to names.GATEWAY_SET) and the status record's ttl
+-- (shared.queue.request_status; its key is the last of KEYS, after the schema key).
 local stream, idem, admitted = KEYS[1], KEYS[2], KEYS[3]
 local max_depth, idem_ttl, request_id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local version, count, limited = ARGV[4], tonumber(ARGV[5]), ARGV[6] == '1'
@@ -106,6 +106,7 @@ local opened = ARGV[first_job + count + 2]
 if opened then
   redis.call('HSET', KEYS[#KEYS - 2], request_id, opened)
   redis.call('EXPIRE', KEYS[#KEYS - 2], tonumber(ARGV[first_job + count + 3]))
+  redis.call('SADD', 'GATEWAY_SET', ARGV[first_job + count + 4])
   local status = KEYS[#KEYS]
   redis.call('HSET', status, 'o', opened, 'g', ARGV[first_job + count + 4], 's', target,
              'e', first_entry)
@@ -113,7 +114,7 @@ if opened then
 end
 redis.call('SET', admitted, '1', 'EX', 600)
 return {'queued', tostring(depth + count), used, worker}
-""".replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT))
+""".replace("LIMIT_ARGS", str(LIMIT_ARG_COUNT)).replace("GATEWAY_SET", names.GATEWAY_SET)
 )
 
 

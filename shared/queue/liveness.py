@@ -3,11 +3,12 @@
 Liveness is a Redis key with a TTL; its expiry means dead.
 
 * Workers: ``conveyor:worker:{id}`` holds the worker's :class:`WorkerRegistration`
-  (TTL ``heartbeat_ttl_s``). A worker beats it from a :class:`HeartbeatThread`;
-  gateways read every entry through :class:`WorkerRegistry` to route; other
-  workers' janitors take over the jobs of a worker whose key expired; a
-  supervisor that saw a worker process exit deletes its key at once
-  (:func:`forget_dead_process`).
+  (TTL ``heartbeat_ttl_s``). A worker beats it from a :class:`HeartbeatThread`, and
+  each beat also lists the worker in ``conveyor:workers`` (``names.WORKER_SET``), so
+  that gateways read every entry through :class:`WorkerRegistry` in one round trip,
+  however many other keys Redis holds; other workers' janitors take over the jobs of
+  a worker whose key expired; a supervisor that saw a worker process exit deletes its
+  key at once (:func:`forget_dead_process`).
 * Gateways: ``conveyor:gateway:{id}`` (TTL ``gateway_liveness_ttl_s``), rewritten by
   :func:`keep_gateway_alive`; workers drop or abort the jobs of a gateway that
   :class:`GatewayWatch` has seen gone for a whole grace period.
@@ -22,11 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared.connections.connect import as_text
 from shared.connections.url import sync_client
 from shared.engine_stats import EngineStats
 from shared.queue import names
@@ -86,6 +89,35 @@ class WorkerRegistration(msgspec.Struct, frozen=True, kw_only=True):
 
 _decoder = msgspec.json.Decoder(WorkerRegistration)
 
+SET_GRACE_MS = 60_000
+"""A worker stays listed in the set this long after its key expired (then a reader drops
+it): far longer than any clock step, and the key is what says it lives."""
+
+BEAT = """
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ms + tonumber(ARGV[2]), ARGV[3])
+"""
+
+LIVE = """
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms - tonumber(ARGV[1]))
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local values = {}
+for first = 1, #ids, 500 do
+  local keys = {}
+  for i = first, math.min(first + 499, #ids) do
+    table.insert(keys, ARGV[2] .. ids[i])
+  end
+  for _, value in ipairs(redis.call('MGET', unpack(keys))) do
+    if value then table.insert(values, value) end
+  end
+end
+return values
+"""
+
 
 def _decoded(values: list[bytes | str | None]) -> list[WorkerRegistration]:
     workers = []
@@ -99,30 +131,41 @@ def _decoded(values: list[bytes | str | None]) -> list[WorkerRegistration]:
     return workers
 
 
+def beat_args(worker_id: str, payload: bytes, ttl_ms: int) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of one :data:`BEAT`."""
+    return [names.worker_heartbeat(worker_id), names.WORKER_SET], [payload, ttl_ms, worker_id]
+
+
 class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
+        self._beat = redis.register_script(BEAT)
+        self._live = redis.register_script(LIVE)
 
     async def beat(self, registration: WorkerRegistration) -> None:
-        await self._redis.set(
-            names.worker_heartbeat(registration.worker_id),
-            self.encode(registration),
-            px=int(self.ttl_s * 1000),
+        keys, args = beat_args(
+            registration.worker_id, self.encode(registration), int(self.ttl_s * 1000)
         )
+        await self._beat(keys=keys, args=args)
 
     @staticmethod
     def encode(registration: WorkerRegistration) -> bytes:
         return msgspec.json.encode(registration)
 
     async def remove(self, worker_id: str) -> None:
-        await self._redis.delete(names.worker_heartbeat(worker_id))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(names.worker_heartbeat(worker_id))
+            pipe.zrem(names.WORKER_SET, worker_id)
+            await pipe.execute()
 
     async def live_workers(self) -> list[WorkerRegistration]:
-        found = [key async for key in self._redis.scan_iter(names.WORKER_HEARTBEAT_PATTERN, 500)]
-        if not found:
-            return []
-        return _decoded(await self._redis.mget(found))
+        """Every worker whose liveness key is there, in one round trip (the set lists
+        them; the keys of those gone longer than ``SET_GRACE_MS`` leave it)."""
+        values = await self._live(
+            keys=[names.WORKER_SET], args=[SET_GRACE_MS, names.worker_heartbeat("")]
+        )
+        return _decoded(values)
 
     async def entries(self, worker_ids: list[str]) -> list[WorkerRegistration]:
         """The registry entries of ``worker_ids`` that are still there (one MGET)."""
@@ -155,14 +198,14 @@ def forget_dead_process(redis_url: str, pid: int, host: str | None = None) -> li
     marker = f"-{host or socket.gethostname()}-{pid}-"
     client = sync_client(redis_url, timeout_s=2.0, connect_timeout_s=2.0)
     try:
-        dead = [
-            key
-            for key in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN, 500)
-            if marker in key.decode()
-        ]
+        listed: Any = client.zrange(names.WORKER_SET, 0, -1)
+        dead = [as_text(w) for w in listed if marker in as_text(w)]
         if dead:
-            client.delete(*dead)
-        return [key.decode().removeprefix(names.worker_heartbeat("")) for key in dead]
+            with client.pipeline(transaction=True) as pipe:
+                pipe.delete(*(names.worker_heartbeat(w) for w in dead))
+                pipe.zrem(names.WORKER_SET, *dead)
+                pipe.execute()
+        return dead
     finally:
         client.close()
 
@@ -190,7 +233,7 @@ class HeartbeatThread:
     def __init__(
         self,
         redis_url: str,
-        key: str,
+        worker_id: str,
         ttl_s: float,
         payload: Callable[[], bytes],
         *,
@@ -198,7 +241,8 @@ class HeartbeatThread:
     ) -> None:
         timeout_s = max(ttl_s, 1.0)
         self._client = sync_client(redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
-        self._key = key
+        self._beat_script = self._client.register_script(BEAT)
+        self._worker_id = worker_id
         self._ttl_ms = int(ttl_s * 1000)
         self._interval_s = ttl_s / 4
         self._payload = payload
@@ -249,7 +293,8 @@ class HeartbeatThread:
         self._beat_started = time.monotonic()
         self._beat_busy = True
         try:
-            self._client.set(self._key, self._payload(), px=self._ttl_ms)
+            keys, args = beat_args(self._worker_id, self._payload(), self._ttl_ms)
+            self._beat_script(keys=keys, args=args)
             self.beats += 1
         except RedisError as exc:
             self._slow_beat_at = time.monotonic()

@@ -137,7 +137,10 @@ def worker_heartbeat(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
-WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
+WORKER_SET = f"{PREFIX}:workers"
+"""Every worker that beat lately (a sorted set: worker id, scored by when its liveness key
+expires, in Redis's clock): how readers find the liveness keys without scanning the
+keyspace. The key, not the set, says whether a worker lives."""
 
 
 def gateway_heartbeat(gateway_id: str) -> str:
@@ -236,11 +239,9 @@ def open_requests(gateway_id: str) -> str:
     return f"{PREFIX}:open-requests:{gateway_id}"
 
 
-OPEN_REQUESTS_PATTERN = f"{PREFIX}:open-requests:*"
-
-
-def gateway_of_open_requests(key: str) -> str:
-    return key.removeprefix(open_requests(""))
+GATEWAY_SET = f"{PREFIX}:gateways"
+"""Set: every gateway that queued a request with an open record on this Redis (the
+admission script adds it); a sweep removes a dead one once its open requests are closed."""
 
 
 def sent_tally(request_id: str) -> str:

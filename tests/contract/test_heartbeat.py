@@ -13,6 +13,7 @@ import uuid
 import pytest
 import redis
 
+from shared.queue import names
 from shared.queue.liveness import HeartbeatThread
 from tests.conftest import REAL_REDIS_URL, _require_real_redis
 from tests.waiting import eventually
@@ -34,8 +35,9 @@ async def beaten(beater: HeartbeatThread, times: int = 1) -> None:
 
 
 async def test_beats_through_a_blocked_event_loop(client: redis.Redis) -> None:
-    key = f"test:heartbeat:{uuid.uuid4().hex}"
-    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
+    worker_id = f"test-heartbeat-{uuid.uuid4().hex}"
+    key = names.worker_heartbeat(worker_id)
+    beater = HeartbeatThread(REAL_REDIS_URL, worker_id, ttl_s=0.4, payload=lambda: b"alive")
     task = asyncio.create_task(beater.run())
     await beaten(beater)
     # The loop is stuck (on purpose) for three TTLs: the thread keeps the key alive.
@@ -51,9 +53,10 @@ async def test_beats_through_a_blocked_event_loop(client: redis.Redis) -> None:
 
 
 async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
-    key = f"test:heartbeat:{uuid.uuid4().hex}"
+    worker_id = f"test-heartbeat-{uuid.uuid4().hex}"
+    key = names.worker_heartbeat(worker_id)
     beater = HeartbeatThread(
-        REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive", loop_stall_limit_s=0.5
+        REAL_REDIS_URL, worker_id, ttl_s=0.4, payload=lambda: b"alive", loop_stall_limit_s=0.5
     )
     task = asyncio.create_task(beater.run())
 
@@ -69,8 +72,9 @@ async def test_a_hung_loop_stops_the_beat(client: redis.Redis) -> None:
 
 
 async def test_a_redis_stall_is_noticed_but_a_busy_loop_is_not(client: redis.Redis) -> None:
-    key = f"test:heartbeat:{uuid.uuid4().hex}"
-    beater = HeartbeatThread(REAL_REDIS_URL, key, ttl_s=0.4, payload=lambda: b"alive")
+    worker_id = f"test-heartbeat-{uuid.uuid4().hex}"
+    key = names.worker_heartbeat(worker_id)
+    beater = HeartbeatThread(REAL_REDIS_URL, worker_id, ttl_s=0.4, payload=lambda: b"alive")
     task = asyncio.create_task(beater.run())
     try:
         await beaten(beater)

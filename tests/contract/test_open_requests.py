@@ -82,6 +82,7 @@ async def test_admission_opens_and_the_journal_tallies_what_it_sent(
     opened = await book.opened(DEAD)
     assert decode_open(opened["r1"]) == OPENED
     assert 86_000 < await redis_backend.ttl(names.open_requests(DEAD)) <= 86_400
+    assert await redis_backend.smembers(names.GATEWAY_SET) == {DEAD.encode()}
     sent = await book.sent("r1")
     assert sent.completion_tokens == 6
     assert sent.finishes == {0: Finish("length", 4, 0)}
@@ -150,8 +151,10 @@ async def test_a_request_its_gateway_closed_is_not_counted_again(
 
 async def test_an_unreadable_open_entry_is_dropped(redis_backend: aioredis.Redis) -> None:
     await redis_backend.hset(names.open_requests(DEAD), "r9", b"9:junk")
+    await redis_backend.sadd(names.GATEWAY_SET, DEAD)  # as admission does
     assert await sweep(redis_backend, "gw-a").sweep() == 0
     assert await redis_backend.exists(names.open_requests(DEAD)) == 0
+    assert await redis_backend.smembers(names.GATEWAY_SET) == set()  # nothing left to sweep
 
 
 def test_orphan_record_status_and_reasons() -> None:

@@ -87,7 +87,9 @@ async def test_the_heartbeat_thread_beats_again_on_the_promoted_replica(
     group: SentinelGroup,
 ) -> None:
     key = names.worker_heartbeat("aggregated-host-1-abc")
-    heartbeat = HeartbeatThread(group.url, key, ttl_s=1.0, payload=lambda: b"{}")
+    heartbeat = HeartbeatThread(
+        group.url, "aggregated-host-1-abc", ttl_s=1.0, payload=lambda: b"{}"
+    )
     task = asyncio.create_task(heartbeat.run())
     try:
         await _wait_for(lambda: heartbeat.beats > 0, "a first beat")
@@ -202,8 +204,9 @@ async def test_min_replicas_to_write_refuses_what_a_fail_over_would_lose(
 def test_the_supervisor_forgets_a_dead_worker_through_the_sentinels(group: SentinelGroup) -> None:
     client = redis.Redis(port=group.master_port, db=2)
     try:
-        client.set(names.worker_heartbeat("aggregated-hostx-42-abc"), b"{}", ex=60)
-        client.set(names.worker_heartbeat("aggregated-hostx-43-abc"), b"{}", ex=60)
+        for worker_id in ("aggregated-hostx-42-abc", "aggregated-hostx-43-abc"):
+            client.set(names.worker_heartbeat(worker_id), b"{}", ex=60)
+            client.zadd(names.WORKER_SET, {worker_id: time.time() * 1000 + 60_000})
     finally:
         client.close()
     assert forget_dead_process(group.url, 42, host="hostx") == ["aggregated-hostx-42-abc"]

@@ -16,7 +16,7 @@ import redis
 
 from conveyor.supervisor import Child, Supervisor
 from shared.queue import names
-from shared.queue.liveness import forget_dead_process
+from shared.queue.liveness import BEAT, beat_args, forget_dead_process
 from tests.conftest import REAL_REDIS_URL
 from tests.waiting import eventually_sync
 
@@ -72,14 +72,17 @@ def test_forget_dead_process_removes_only_that_process() -> None:
             "aggregated-box-14242-aaaaaa",
             "aggregated-other-4242-bbbbbb",
         ):
-            client.set(names.worker_heartbeat(worker_id), b"{}", px=60_000)
+            keys, args = beat_args(worker_id, b"{}", 60_000)
+            client.register_script(BEAT)(keys=keys, args=args)
         gone = forget_dead_process(REAL_REDIS_URL, 4242, host="box")
         assert sorted(gone) == ["aggregated-box-4242-abc123", "decode-box-4242-def456"]
-        left = sorted(k.decode() for k in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
+        left = sorted(k.decode() for k in client.scan_iter(names.worker_heartbeat("*")))
         assert left == [
             names.worker_heartbeat("aggregated-box-14242-aaaaaa"),
             names.worker_heartbeat("aggregated-other-4242-bbbbbb"),
         ]
+        listed = sorted(w.decode() for w in client.zrange(names.WORKER_SET, 0, -1))
+        assert listed == ["aggregated-box-14242-aaaaaa", "aggregated-other-4242-bbbbbb"]
     finally:
         client.flushdb()
         client.close()
