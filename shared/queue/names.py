@@ -137,6 +137,9 @@ def worker_heartbeat(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+WORKER_HEARTBEAT_PATTERN = f"{PREFIX}:worker:*"
+"""For tools and tests; the serving path finds workers through :data:`WORKER_SET`."""
+
 WORKER_SET = f"{PREFIX}:workers"
 """Every worker that beat lately (a sorted set: worker id, scored by when its liveness key
 expires, in Redis's clock): how readers find the liveness keys without scanning the
