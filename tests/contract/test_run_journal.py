@@ -850,6 +850,30 @@ async def test_a_refreshed_lease_does_not_expire(redis_backend: aioredis.Redis) 
         assert await emitted(redis_backend, "long/0") == [1] * 6
 
 
+async def test_refresh_renews_every_claim_and_sets_the_ttl_only_when_due(
+    redis_backend: aioredis.Redis,
+) -> None:
+    now = [1_000.0]
+    jobs = [make_job(f"r{i}") for i in range(3)]
+    deliveries = await deliver(redis_backend, *jobs)
+    async with journals(redis_backend, "wa", run_ttl_s=100.0, clock=lambda: now[0]) as (wa,):
+        leases = [await wa.begin(d) for d in deliveries]
+        await asyncio.sleep(0.3)
+        for lease in leases:  # as if set long ago
+            await redis_backend.pexpire(lease.run_key, 50_000)
+        now[0] += 5.0  # less than a tenth of the TTL since the first renewal
+        assert await wa.refresh(leases) == []
+        assert await wa.refresh(leases) == []
+        idle = [p["time_since_delivered"] for p in await pending(redis_backend)]
+        assert len(idle) == 3 and max(idle) < 200  # every claim renewed (one XCLAIM)
+        assert 40_000 < await redis_backend.pttl(leases[0].run_key) <= 50_000  # not due
+        now[0] += 10.0
+        assert await wa.refresh(leases) == []
+        for lease in leases:
+            assert 90_000 < await redis_backend.pttl(lease.run_key) <= 100_000
+            assert 90_000 < await redis_backend.pttl(lease.emitted_key) <= 100_000
+
+
 async def test_an_unrefreshed_lease_expires(redis_backend: aioredis.Redis) -> None:
     """The TTL still bounds a run nobody renews (a dead worker's keys do not leak)."""
     [delivery] = await deliver(redis_backend, make_job("dead"))

@@ -62,6 +62,9 @@ T = TypeVar("T")
 
 JOURNAL_RETRY_S = 30.0
 """How long a journal write rides out Redis trouble before the journal gives up."""
+TTL_RENEW_SHARE = 0.1
+"""The janitor renews a run's claim every pass, and the TTL of its keys (the run TTL)
+only once this share of it has passed since it was last set."""
 SENT_REFRESH_SHARE = 0.1
 """A run's writes set the TTL of its request's sent tally (the run TTL) with its first
 tokens and its final event, and otherwise only once this share of the TTL has passed
@@ -109,6 +112,8 @@ class RunLease:
     output must know where the text the client has ends (see ``Replay``)."""
     first_seq_unix: float | None = None
     """When this run numbered its first event (its first engine output, for tracing)."""
+    ttl_set_ms: int = 0
+    """When the TTL of the run's keys was last set (0: at the start, by this run's begin)."""
     sent_refreshed_ms: int | None = None
     """When this run's writes last set the TTL of the request's sent tally (None: none
     carried tokens yet; the first that does also records the first-token time)."""
@@ -333,13 +338,22 @@ class RunJournal:
             lambda: self._scripts.forward(lease.run_key, lease.emitted_key, args), "forward"
         )
 
+    def _ttl_due(self, lease: RunLease, now_ms: int) -> int:
+        """The run TTL when it is due on ``lease``'s keys again (and noted as set), else 0.
+        A run's begin set it; a lease made without one counts from its first renewal."""
+        if lease.ttl_set_ms == 0:
+            lease.ttl_set_ms = now_ms
+        elif now_ms - lease.ttl_set_ms >= self._run_ttl_ms * TTL_RENEW_SHARE:
+            lease.ttl_set_ms = now_ms
+            return self._run_ttl_ms
+        return 0
+
     async def refresh(self, leases: list[RunLease]) -> list[str]:
         """Renew the claim on every lease still ours; returns the job ids lost."""
         if not leases:
             return []
-        header = RefreshHeader(
-            consumer=self._consumer, group=names.JOB_GROUP, ttl_ms=self._run_ttl_ms
-        )
+        header = RefreshHeader(consumer=self._consumer, group=names.JOB_GROUP)
+        now_ms = int(self._clock() * 1000)
         rows = [
             RefreshRow(
                 run=lease.run_key,
@@ -347,6 +361,7 @@ class RunJournal:
                 fence=lease.fence,
                 stream=lease.delivery.stream,
                 entry=lease.delivery.entry_id,
+                ttl_ms=self._ttl_due(lease, now_ms),
             )
             for lease in leases
         ]

@@ -260,7 +260,6 @@ return 1
 class RefreshHeader(NamedTuple):
     consumer: str
     group: str
-    ttl_ms: int
 
 
 class RefreshRow(NamedTuple):
@@ -269,20 +268,45 @@ class RefreshRow(NamedTuple):
     fence: str
     stream: str
     entry: str
+    ttl_ms: int
+    """The TTL to set again on the run's keys (0: not due yet, see ``TTL_RENEW_SHARE`` in
+    workers/journal/run_journal.py)."""
 
 
 _HEADER, _ROW = len(RefreshHeader._fields), len(RefreshRow._fields)
+CLAIM_CHUNK = 500
+"""Entry ids per ``XCLAIM`` (``unpack`` has a stack limit)."""
 REFRESH = f"""
 {lua_locals(RefreshHeader._fields)}
-local lost = {{}}
+local lost, claims, streams = {{}}, {{}}, {{}}
 for i = {_HEADER}, #ARGV - {_ROW}, {_ROW} do
   {lua_locals(RefreshRow._fields, "i")}
   if redis.call('HGET', run, 'owner') == fence then
-    redis.call('XCLAIM', stream, group, consumer, 0, entry, 'JUSTID')
-    redis.call('PEXPIRE', run, ttl_ms)
-    redis.call('PEXPIRE', emitted, ttl_ms)
+    local ids = claims[stream]
+    if ids == nil then
+      ids = {{}}
+      claims[stream] = ids
+      table.insert(streams, stream)
+    end
+    table.insert(ids, entry)
+    if ttl_ms ~= '0' then
+      redis.call('PEXPIRE', run, ttl_ms)
+      redis.call('PEXPIRE', emitted, ttl_ms)
+    end
   else
     table.insert(lost, run)
+  end
+end
+-- one XCLAIM per stream: it resets the idle time of every entry still ours
+for _, stream in ipairs(streams) do
+  local ids = claims[stream]
+  for first = 1, #ids, {CLAIM_CHUNK} do
+    local call = {{'XCLAIM', stream, group, consumer, 0}}
+    for k = first, math.min(first + {CLAIM_CHUNK - 1}, #ids) do
+      table.insert(call, ids[k])
+    end
+    table.insert(call, 'JUSTID')
+    redis.call(unpack(call))
   end
 end
 return lost
