@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from shared.connections.connect import as_text
 from shared.queue import names
 
 STREAM_MAXLEN = 10_000
@@ -186,11 +187,12 @@ class KvEventReader:
         return _decode_snapshot(raw)
 
     async def snapshots(self) -> list[KvSnapshot]:
-        """Every worker's snapshot (a gateway starting up)."""
-        found = [key async for key in self._redis.scan_iter(names.KV_SNAPSHOT_PATTERN, 500)]
-        if not found:
+        """Every listed worker's snapshot (a gateway starting up): a snapshot expires soon
+        after its worker, and a worker leaves ``names.WORKER_SET`` a while after that."""
+        listed: Any = await self._redis.zrange(names.WORKER_SET, 0, -1)
+        if not listed:
             return []
-        values = await self._redis.mget(found)
+        values = await self._redis.mget([names.kv_snapshot(as_text(w)) for w in listed])
         snapshots = (_decode_snapshot(value) for value in values)
         return [snapshot for snapshot in snapshots if snapshot is not None]
 

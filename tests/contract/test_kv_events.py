@@ -21,7 +21,7 @@ from shared.queue.kv_events import (
     RemovedBlocks,
     StoredBlocks,
 )
-from shared.queue.liveness import WorkerRegistry
+from shared.queue.liveness import BEAT, WorkerRegistry, beat_args
 from shared.tasks import cancel_and_wait
 from tests.waiting import eventually
 from workers.engines.base import KvEventFeed
@@ -54,8 +54,10 @@ def stored(first: int, count: int) -> StoredBlocks:
 
 
 async def alive(redis: aioredis.Redis, *worker_ids: str) -> None:
+    beat = redis.register_script(BEAT)
     for worker_id in worker_ids:
-        await redis.set(names.worker_heartbeat(worker_id), b"{}", px=60_000)
+        keys, args = beat_args(worker_id, b"{}", 60_000)
+        await beat(keys=keys, args=args)
 
 
 @contextlib.asynccontextmanager
