@@ -132,7 +132,7 @@ class Cluster:
 
         client = self.redis_client()
         try:
-            found = list(client.scan_iter(names.worker_heartbeat("*")))
+            found = list(client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
             values = client.mget(found) if found else []
             return [json.loads(v) for v in values if v]
         finally:

@@ -76,7 +76,7 @@ def test_forget_dead_process_removes_only_that_process() -> None:
             client.register_script(BEAT)(keys=keys, args=args)
         gone = forget_dead_process(REAL_REDIS_URL, 4242, host="box")
         assert sorted(gone) == ["aggregated-box-4242-abc123", "decode-box-4242-def456"]
-        left = sorted(k.decode() for k in client.scan_iter(names.worker_heartbeat("*")))
+        left = sorted(k.decode() for k in client.scan_iter(names.WORKER_HEARTBEAT_PATTERN))
         assert left == [
             names.worker_heartbeat("aggregated-box-14242-aaaaaa"),
             names.worker_heartbeat("aggregated-other-4242-bbbbbb"),

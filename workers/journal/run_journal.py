@@ -113,7 +113,7 @@ class RunLease:
     first_seq_unix: float | None = None
     """When this run numbered its first event (its first engine output, for tracing)."""
     ttl_set_ms: int = 0
-    """When the TTL of the run's keys was last set (0: at the start, by this run's begin)."""
+    """When the TTL of the run's keys was last set (by this run's begin, then by renewals)."""
     sent_refreshed_ms: int | None = None
     """When this run's writes last set the TTL of the request's sent tally (None: none
     carried tokens yet; the first that does also records the first-token time)."""
@@ -192,9 +192,16 @@ class RunJournal:
                     BeginArgs(fence=fence, ttl_ms=self._run_ttl_ms),
                 )
             replies = await pipe.execute()
+        began_ms = int(self._clock() * 1000)
         return [
             RunLease(
-                delivery, fence, int(attempt), int(seq), unpack_tokens(emitted or b""), int(chars)
+                delivery,
+                fence,
+                int(attempt),
+                int(seq),
+                unpack_tokens(emitted or b""),
+                int(chars),
+                ttl_set_ms=began_ms,
             )
             for delivery, fence, (attempt, seq, emitted, chars) in zip(
                 deliveries, fences, replies, strict=True
@@ -339,14 +346,11 @@ class RunJournal:
         )
 
     def _ttl_due(self, lease: RunLease, now_ms: int) -> int:
-        """The run TTL when it is due on ``lease``'s keys again (and noted as set), else 0.
-        A run's begin set it; a lease made without one counts from its first renewal."""
-        if lease.ttl_set_ms == 0:
-            lease.ttl_set_ms = now_ms
-        elif now_ms - lease.ttl_set_ms >= self._run_ttl_ms * TTL_RENEW_SHARE:
-            lease.ttl_set_ms = now_ms
-            return self._run_ttl_ms
-        return 0
+        """The run TTL when it is due on ``lease``'s keys again (and noted as set), else 0."""
+        if now_ms - lease.ttl_set_ms < self._run_ttl_ms * TTL_RENEW_SHARE:
+            return 0
+        lease.ttl_set_ms = now_ms
+        return self._run_ttl_ms
 
     async def refresh(self, leases: list[RunLease]) -> list[str]:
         """Renew the claim on every lease still ours; returns the job ids lost."""
