@@ -52,8 +52,12 @@ class TokenPush:
     async def lend(self, handle: RequestHandle, render: Render, quiet_s: float) -> bool:
         """Write ``handle``'s token events with ``render`` until something needs the task.
         True: nothing came for ``quiet_s`` (send a keep-alive, then lend again). Raises
-        what rendering or writing raised."""
-        if self.send is None:
+        what rendering or writing raised.
+
+        Returns False at once while events wait in the handle's inbox (they came while
+        the task was writing): the router offers only the events that find it empty, so
+        the queued ones would never be taken, and only keep-alives would go out."""
+        if self.send is None or handle.has_buffered():
             return False
         loop = self._loop = asyncio.get_running_loop()
         ended: asyncio.Future[bool] = loop.create_future()

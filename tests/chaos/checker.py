@@ -24,6 +24,8 @@ class Report:
     longest_pause_s: float | None
     outage_s: float = 0.0
     """How long the fault itself kept the service down on purpose (a 3 s Redis stall)."""
+    hung_detail: str = ""
+    """What each hung request's client saw (empty when none hung)."""
 
     @property
     def recovery_s(self) -> float | None:
@@ -87,6 +89,7 @@ def check(
         compared=sum(1 for r in completed if r.prompt_index in baseline),
         longest_pause_s=_longest_pause(records, fault_at),
         outage_s=outage_s,
+        hung_detail="\n".join(r.describe() for r in records if r.status == "hung"),
     )
 
 

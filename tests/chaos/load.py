@@ -24,6 +24,17 @@ class Record:
     token_times: list[float] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    request_id: str = ""
+    keepalives: int = 0
+    """SSE comments received (the gateway's keep-alives while no event comes)."""
+
+    def describe(self) -> str:
+        """What a client that hung saw, to tell where its stream stopped."""
+        last_seq = self.seq_ids[-1] if self.seq_ids else None
+        return (
+            f"{self.request_id or '(no response)'}: {len(self.tokens)} tokens, last event id "
+            f"{last_seq}, finish_reason {self.finish_reason}, {self.keepalives} keep-alives"
+        )
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -56,6 +67,7 @@ async def stream_one(
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+                record.request_id = response.headers.get("x-request-id", "")
                 if response.status_code != 200:
                     await response.aread()
                     record.status, record.error = "rejected", f"HTTP {response.status_code}"
@@ -72,6 +84,8 @@ async def _read_stream(
     response: httpx.Response, record: Record, disconnect_after: int | None
 ) -> None:
     async for line in response.aiter_lines():
+        if line.startswith(":"):
+            record.keepalives += 1
         if line.startswith("id: "):
             record.seq_ids.append(int(line[4:]))
         if not line.startswith("data: "):

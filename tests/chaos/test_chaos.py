@@ -42,7 +42,7 @@ def test_fault_loses_nothing(cluster: Cluster, reference: dict[int, list[int]], 
     )
     print(report.row())
     cluster.wait_workers(len(cluster.workers))
-    assert report.hung == 0
+    assert report.hung == 0, report.hung_detail
     assert report.tokens_lost == 0
     assert report.tokens_duplicated == 0
     assert report.seq_gaps == 0
@@ -53,7 +53,7 @@ def test_fault_loses_nothing(cluster: Cluster, reference: dict[int, list[int]], 
 def test_disconnect_storm_leaves_nothing_behind(cluster: Cluster) -> None:
     report = asyncio.run(scenarios.disconnect_storm(cluster, requests=1000))
     print(report.row())
-    assert report.hung == 0
+    assert report.hung == 0, report.hung_detail
     leftovers = asyncio.run(scenarios.leftovers(cluster))
     assert leftovers == dict.fromkeys(leftovers, 0), leftovers
 
@@ -61,7 +61,7 @@ def test_disconnect_storm_leaves_nothing_behind(cluster: Cluster) -> None:
 def test_overload_is_refused_cleanly(cluster: Cluster) -> None:
     report = asyncio.run(scenarios.overload(cluster))
     print(report.row())
-    assert report.hung == 0
+    assert report.hung == 0, report.hung_detail
     assert report.completed + report.rejected + report.failed_clean == report.sent
 
 

@@ -143,6 +143,26 @@ async def test_a_slow_client_gets_every_chunk_in_order() -> None:
     assert positions == sorted(positions)
 
 
+async def test_events_that_queue_while_a_pulled_chunk_is_sent_are_not_left_behind() -> None:
+    """The stream lends its writing only with nothing queued: an event queued while its
+    task waits on the client would be offered to nobody, and only keep-alives go out."""
+
+    async def queued_while_sending(stream: Stream) -> None:
+        stream.wire.gate = asyncio.get_running_loop().create_future()
+        stream.inbox.put_nowait(tok(0, "a"))  # pulled: its chunk waits in the send
+        await eventually(_sending(stream), what="the first chunk waiting on the client")
+        for seq, text in enumerate("bc", start=1):
+            stream.inbox.put_nowait(tok(seq, text))
+        stream.inbox.put_nowait(fin(3))
+        gate, stream.wire.gate = stream.wire.gate, None
+        gate.set_result(None)
+
+    text = await _run(Stream(push=True, keepalive_s=0.05), queued_while_sending)
+    assert text.endswith("data: [DONE]\n\n")
+    positions = [text.index(f'"content":"{c}"') for c in "abc"]
+    assert positions == sorted(positions)
+
+
 async def test_an_event_out_of_order_ends_the_stream_as_without_push() -> None:
     async def gap(stream: Stream) -> None:
         stream.inbox.put_nowait(tok(0, "a"))
@@ -198,5 +218,12 @@ async def test_cancelling_a_lent_stream_takes_the_push_back() -> None:
 def _has(stream: Stream, text: str) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return text in stream.wire.text()
+
+    return check
+
+
+def _sending(stream: Stream) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return stream.inbox.empty() and stream.handle.started
 
     return check
