@@ -7,66 +7,42 @@ The POST routes only read the HTTP request; each hands it to its serving step
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 
-from gateway.auth import require_scope
 from gateway.catalog.served_models import ServedModel
 from gateway.control import response_store
 from gateway.control.records import Principal, Scope
-from gateway.metrics.request_trace import request_trace
 from gateway.openai.responses_schema import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.openai.vllm_schemas import ModelCard
-from gateway.serving import background, endpoints, limits, responses, resumable, resume
-from gateway.serving.endpoints import RequestHeaders
+from gateway.routes.request_headers import Headers, Inference, documented
+from gateway.serving import background, endpoints, limits, responses, resume
+from gateway.serving.resumable import HEADER as RESUMABLE
 from gateway.state import GatewayState, StateDep
 from shared.errors import ResponseNotFound
 
-Inference = Annotated[Principal, Depends(require_scope(Scope.INFERENCE))]
-"""Every /v1 route needs a key with the ``inference`` scope while auth is on."""
-
 router = APIRouter(prefix="/v1")
 
-IdempotencyKey = Annotated[str | None, Header(alias=limits.IDEMPOTENCY_HEADER)]
-Resumable = Annotated[bool, Header(alias=resumable.HEADER)]
-"""``Conveyor-Resumable: true``: a stream the client may resume (see resumable.py)."""
 LastEventId = Annotated[str | None, Header(alias=resume.LAST_EVENT_ID)]
-RequestTimeout = Annotated[float | None, Header(alias=limits.TIMEOUT_HEADER)]
+GENERATION_HEADERS = documented(limits.IDEMPOTENCY_HEADER, limits.TIMEOUT_HEADER, RESUMABLE)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, openapi_extra=GENERATION_HEADERS)
 async def chat_completions(
-    body: ChatCompletionRequest,
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    idempotency_key: IdempotencyKey = None,
-    timeout_s: RequestTimeout = None,
-    resumable_stream: Resumable = False,
+    body: ChatCompletionRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(
-        idempotency_key, timeout_s, principal, request_trace(request), resumable_stream
-    )
     return await endpoints.chat_completions(state, body, headers, request.receive)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, openapi_extra=GENERATION_HEADERS)
 async def completions(
-    body: CompletionRequest,
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    idempotency_key: IdempotencyKey = None,
-    timeout_s: RequestTimeout = None,
-    resumable_stream: Resumable = False,
+    body: CompletionRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(
-        idempotency_key, timeout_s, principal, request_trace(request), resumable_stream
-    )
     return await endpoints.completions(state, body, headers, request.receive)
 
 
@@ -84,31 +60,26 @@ async def resume_completion(
     return await resume.resume_stream(state, request_id, "completion", last_event_id, principal)
 
 
-@router.post("/embeddings", response_model=None)
+@router.post("/embeddings", response_model=None, openapi_extra=documented(limits.TIMEOUT_HEADER))
 async def embeddings(
-    body: EmbeddingRequest,
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    timeout_s: RequestTimeout = None,
+    body: EmbeddingRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model
-    headers = RequestHeaders(None, timeout_s, principal, request_trace(request))
-    return await endpoints.embeddings(state, body, headers, request.receive)
+    read = replace(headers, idempotency_key=None, resumable=False)
+    return await endpoints.embeddings(state, body, read, request.receive)
 
 
-@router.post("/responses", response_model=None)
+@router.post(
+    "/responses",
+    response_model=None,
+    openapi_extra=documented(limits.IDEMPOTENCY_HEADER, limits.TIMEOUT_HEADER),
+)
 async def create_response(
-    body: ResponsesRequest,
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    idempotency_key: IdempotencyKey = None,
-    timeout_s: RequestTimeout = None,
+    body: ResponsesRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
-    return await responses.create_response(state, body, headers, request.receive)
+    read = replace(headers, resumable=False)
+    return await responses.create_response(state, body, read, request.receive)
 
 
 @router.get("/responses/{response_id}", response_model=None)

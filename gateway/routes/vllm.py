@@ -10,16 +10,15 @@ Each takes an ``inference`` key while auth is on, but /ping (liveness, like /hea
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from gateway.metrics.request_trace import request_trace
 from gateway.openai.vllm_schemas import DetokenizeRequest, TokenizeRequest
 from gateway.routes.health import health
-from gateway.routes.openai import IdempotencyKey, Inference, RequestTimeout
-from gateway.serving import chat_batch, invocations, tokenization
-from gateway.serving.endpoints import RequestHeaders
+from gateway.routes.request_headers import Headers, Inference, documented
+from gateway.serving import chat_batch, invocations, limits, tokenization
 from gateway.state import StateDep
 
 router = APIRouter()
@@ -79,31 +78,22 @@ async def ping() -> dict[str, str]:
     return await health()
 
 
-@router.post("/invocations", response_model=None)
-async def invoke(
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    idempotency_key: IdempotencyKey = None,
-    timeout_s: RequestTimeout = None,
-) -> Response:
+KEY_AND_TIMEOUT = documented(limits.IDEMPOTENCY_HEADER, limits.TIMEOUT_HEADER)
+
+
+@router.post("/invocations", response_model=None, openapi_extra=KEY_AND_TIMEOUT)
+async def invoke(request: Request, state: StateDep, headers: Headers) -> Response:
     body = invocations.parse(await request.body())
     request.state.model = getattr(body, "model", None)  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal, request_trace(request))
-    return await invocations.invoke(state, body, headers, request.receive)
+    read = replace(headers, resumable=False)
+    return await invocations.invoke(state, body, read, request.receive)
 
 
-@router.post("/v1/chat/completions/batch", response_model=None)
-async def chat_completions_batch(
-    request: Request,
-    state: StateDep,
-    principal: Inference,
-    idempotency_key: IdempotencyKey = None,
-    timeout_s: RequestTimeout = None,
-) -> Response:
+@router.post("/v1/chat/completions/batch", response_model=None, openapi_extra=KEY_AND_TIMEOUT)
+async def chat_completions_batch(request: Request, state: StateDep, headers: Headers) -> Response:
     """Several conversations in one call: one chat completion each (see
     :mod:`gateway.serving.chat_batch`)."""
     bodies = chat_batch.parse(await request.body())
     request.state.model = bodies[0].model  # the metrics' model label
-    headers = RequestHeaders(idempotency_key, timeout_s, principal)
-    return await chat_batch.chat_completions_batch(state, bodies, headers, request.receive)
+    read = replace(headers, trace=None, resumable=False)
+    return await chat_batch.chat_completions_batch(state, bodies, read, request.receive)
