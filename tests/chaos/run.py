@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import tempfile
 import time
@@ -53,6 +54,9 @@ def main() -> int:
         help="fake: workers with no model (seconds to start; migration still checked)",
     )
     args = parser.parse_args()
+    # A SIGTERM (a timeout, pkill) unwinds through the cluster's stop, so no worker,
+    # engine or Redis outlives the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     names = args.scenario or list(scenarios.SCENARIOS)
     if args.engine == "fake":
         asked = scenarios.ENGINE_PROCESS_SCENARIOS.intersection(args.scenario or ())
