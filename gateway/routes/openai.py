@@ -65,7 +65,7 @@ async def embeddings(
     body: EmbeddingRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model
-    read = replace(headers, idempotency_key=None, resumable=False)
+    read = replace(headers, idempotency_key=None)  # an embedding takes no idempotency key
     return await endpoints.embeddings(state, body, read, request.receive)
 
 
@@ -78,8 +78,7 @@ async def create_response(
     body: ResponsesRequest, request: Request, state: StateDep, headers: Headers
 ) -> Response:
     request.state.model = body.model  # the metrics' model label
-    read = replace(headers, resumable=False)
-    return await responses.create_response(state, body, read, request.receive)
+    return await responses.create_response(state, body, headers, request.receive)
 
 
 @router.get("/responses/{response_id}", response_model=None)

@@ -85,7 +85,7 @@ KEY_AND_TIMEOUT = documented(limits.IDEMPOTENCY_HEADER, limits.TIMEOUT_HEADER)
 async def invoke(request: Request, state: StateDep, headers: Headers) -> Response:
     body = invocations.parse(await request.body())
     request.state.model = getattr(body, "model", None)  # the metrics' model label
-    read = replace(headers, resumable=False)
+    read = replace(headers, resumable=False)  # an invocation's stream is not resumable
     return await invocations.invoke(state, body, read, request.receive)
 
 
@@ -95,5 +95,5 @@ async def chat_completions_batch(request: Request, state: StateDep, headers: Hea
     :mod:`gateway.serving.chat_batch`)."""
     bodies = chat_batch.parse(await request.body())
     request.state.model = bodies[0].model  # the metrics' model label
-    read = replace(headers, trace=None, resumable=False)
+    read = replace(headers, trace=None)  # each conversation is a request of its own
     return await chat_batch.chat_completions_batch(state, bodies, read, request.receive)
