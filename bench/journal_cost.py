@@ -4,7 +4,9 @@ Drives the real run journal (workers/journal/run_journal.py) as a worker's engin
 does: ``--jobs`` leased jobs, then ``--steps`` steps of one token event each, every step
 one script call. Prints, per row (one job's token in one step), Redis's CPU (from
 ``INFO cpu``), the time inside the journal script (``INFO commandstats``, wall time,
-the calls it makes included) and the calls it made, and the worker's CPU.
+the calls it makes included) and the calls it made, and the worker's CPU. ``--step-ms``
+pauses before every step, as an engine's step time does in a run: after a pause both
+start on cold caches, and a row costs more.
 
 Needs a Redis of its own (it resets the command stats and flushes the database)::
 
@@ -84,8 +86,12 @@ async def _leases(redis: aioredis.Redis, journal: RunJournal, jobs: int) -> list
     return await journal.begin_all(deliveries)
 
 
-async def _steps(journal: RunJournal, leases: list[RunLease], steps: int, first: int) -> None:
+async def _steps(
+    journal: RunJournal, leases: list[RunLease], steps: int, first: int, pause_s: float = 0.0
+) -> None:
     for step in range(first, first + steps):
+        if pause_s:
+            await asyncio.sleep(pause_s)
         for lease in leases:
             job = lease.delivery.job
             token = 1000 + step % 3000
@@ -101,7 +107,7 @@ async def _steps(journal: RunJournal, leases: list[RunLease], steps: int, first:
         await journal.flush()
 
 
-async def measure(redis_url: str, jobs: int, steps: int) -> Costs:
+async def measure(redis_url: str, jobs: int, steps: int, pause_s: float = 0.0) -> Costs:
     redis = connect(redis_url)
     await redis.flushdb()
     journal = RunJournal(redis, consumer="w-cost")
@@ -112,7 +118,7 @@ async def measure(redis_url: str, jobs: int, steps: int) -> Costs:
         await redis.config_resetstat()
         redis_before = await _redis_cpu_us(redis)
         worker_before = time.process_time()
-        await _steps(journal, leases, steps, 10)
+        await _steps(journal, leases, steps, 10, pause_s)
         worker_us = (time.process_time() - worker_before) * 1e6
         redis_us = await _redis_cpu_us(redis) - redis_before
         stats = await _command_stats(redis)
@@ -135,9 +141,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=128, help="rows per step (sequences)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="a pause before every step, as an engine's"
+    )
     args = parser.parse_args()
     for _ in range(args.rounds):
-        print(asyncio.run(measure(args.redis_url, args.jobs, args.steps)).line(), flush=True)
+        costs = asyncio.run(measure(args.redis_url, args.jobs, args.steps, args.step_ms / 1000))
+        print(costs.line(), flush=True)
 
 
 if __name__ == "__main__":
