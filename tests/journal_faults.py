@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from workers.journal.scripts import BeginArgs, JournalScripts, WriteHeader, WritePart
@@ -30,10 +29,10 @@ class FaultyScripts(JournalScripts):
         self.fail_begins: list[Exception] = []
         """Raised by the next leases (a whole ``begin_all`` fails)."""
 
-    async def begin(self, pipe: Pipeline, run: str, emitted: str, args: BeginArgs) -> None:
+    async def begin(self, leases: Sequence[tuple[str, str, BeginArgs]]) -> list[Any]:
         if self.fail_begins:
             raise self.fail_begins.pop()
-        await super().begin(pipe, run, emitted, args)
+        return await super().begin(leases)
 
     async def write(self, header: WriteHeader, rows: Sequence[WritePart]) -> list[Any]:
         self.write_calls += 1

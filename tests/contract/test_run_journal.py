@@ -8,6 +8,7 @@ import contextlib
 import struct
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from shared.connections.connect import connect
 from shared.protocol import (
     ErrorEvent,
     Event,
@@ -33,6 +35,7 @@ from shared.roles import Role
 from shared.tasks import cancel_and_wait
 from tests.conftest import RedisTarget
 from tests.journal_faults import FaultyScripts
+from tests.support.second_redis import PrivateRedis
 from workers.journal.run_journal import RunJournal, RunLease
 from workers.journal.scripts import WritePart, WriteTail
 from workers.journal.writes import JobWrites, pack_tokens, unpack_tokens
@@ -202,6 +205,38 @@ async def test_begin_on_a_fresh_delivery(wa: Journal, redis_backend: aioredis.Re
     # Each begin gets its own fence, even on the same worker.
     again = await wa.begin(delivery)
     assert again.fence != lease.fence
+
+
+@pytest.mark.redis
+async def test_begin_takes_one_round_trip_and_survives_a_redis_without_its_scripts(
+    tmp_path: Path,
+) -> None:
+    """A private server: ``SCRIPT FLUSH`` would drop every other client's scripts on the
+    shared one."""
+    server = PrivateRedis.start_in(tmp_path)
+    redis = connect(server.url)
+    try:
+        async with journals(redis, "wa") as (journal,):
+            first = await journal.begin_all(await deliver(redis, make_job("r1"), make_job("r2")))
+            deliveries = await deliver(redis, make_job("r3"))
+            await redis.config_resetstat()
+            second = await journal.begin_all(deliveries)
+            stats: dict[str, Any] = cast(Any, await redis.info("commandstats"))
+            assert "cmdstat_script" not in stats  # no SCRIPT EXISTS before the calls
+            assert stats["cmdstat_evalsha"]["calls"] == 1
+            await redis.script_flush()
+            third = await journal.begin_all(await deliver(redis, make_job("r4")))
+        assert [lease.job_id for lease in first + second + third] == [
+            "r1/0",
+            "r2/0",
+            "r3/0",
+            "r4/0",
+        ]
+        assert all((lease.attempt, lease.next_seq) == (0, 0) for lease in first + second + third)
+        assert await redis.hget(names.job_run("r4/0", STAGE), "owner") == third[0].fence.encode()
+    finally:
+        await redis.aclose()
+        server.kill()
 
 
 # --------------------------------------------------------------------- publishing

@@ -182,16 +182,16 @@ class RunJournal:
     async def begin_all(self, deliveries: Sequence[Delivery]) -> list[RunLease]:
         """Lease every delivery in one round trip (on one connection, however many)."""
         fences = [f"{self._consumer}/{uuid.uuid4().hex[:8]}" for _ in deliveries]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for delivery, fence in zip(deliveries, fences, strict=True):
-                job_id, role = delivery.job.job_id, delivery.role
-                await self._scripts.begin(
-                    pipe,
-                    names.job_run(job_id, role),
-                    names.job_emitted(job_id, role),
+        replies = await self._scripts.begin(
+            [
+                (
+                    names.job_run(delivery.job.job_id, delivery.role),
+                    names.job_emitted(delivery.job.job_id, delivery.role),
                     BeginArgs(fence=fence, ttl_ms=self._run_ttl_ms),
                 )
-            replies = await pipe.execute()
+                for delivery, fence in zip(deliveries, fences, strict=True)
+            ]
+        )
         began_ms = int(self._clock() * 1000)
         return [
             RunLease(

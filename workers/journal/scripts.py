@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
 
 
 def lua_locals(fields: Sequence[str], offset: str | int = 0) -> str:
@@ -317,15 +317,33 @@ class JournalScripts:
     """The scripts, registered on one client; each call takes its header and rows."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
         self._begin = redis.register_script(BEGIN)
         self._write = redis.register_script(WRITE)
         self._hand_back = redis.register_script(HAND_BACK)
         self._forward = redis.register_script(FORWARD)
         self._refresh = redis.register_script(REFRESH)
 
-    async def begin(self, pipe: Pipeline, run: str, emitted: str, args: BeginArgs) -> None:
-        """Queue one lease on ``pipe`` (its reply: attempt, next seq, emitted tokens)."""
-        await self._begin(keys=[run, emitted], args=list(args), client=pipe)
+    async def begin(self, leases: Sequence[tuple[str, str, BeginArgs]]) -> list[Any]:
+        """Lease ``(run, emitted, args)`` each, in one round trip; a reply per lease:
+        attempt, next seq, emitted tokens, chars.
+
+        The calls go on a pipeline as plain ``EVALSHA``: a script registered on a
+        redis-py pipeline costs one more round trip (``SCRIPT EXISTS``) on every
+        execute, here on the way to every job's first token. A Redis that lost the
+        script (a restart) answers ``NOSCRIPT`` to every call alike, so none ran: load
+        it and send them again."""
+        try:
+            return await self._begin_calls(leases)
+        except NoScriptError:
+            await self._redis.script_load(BEGIN)
+            return await self._begin_calls(leases)
+
+    async def _begin_calls(self, leases: Sequence[tuple[str, str, BeginArgs]]) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for run, emitted, args in leases:
+                pipe.evalsha(self._begin.sha, 2, run, emitted, *args)
+            return await pipe.execute()
 
     async def write(self, header: WriteHeader, rows: Sequence[WritePart]) -> list[Any]:
         """Returns the run keys of the rows that were fenced out (written nothing)."""
