@@ -436,6 +436,15 @@ class GatewaySettings(ImageSettings):
         "has just started count as held by that worker before its engine reports them "
         "stored (0: only what engines report).",
     )
+    placement_feed_interval_ms: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="Cache-aware placement: the gateway reads the workers' KV events at "
+        "most this often (once per interval, every entry since the last read at once), so "
+        "its reads do not grow with the number of workers and their step rate "
+        "(0: a read for every wake-up).",
+    )
     placement_index_max_blocks: int = Field(
         1_000_000,
         ge=1,

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 class CachePlacementSettings(PlacementSettings, Protocol):
     placement_index_max_blocks: int
     placement_pending_s: float
+    placement_feed_interval_ms: int
     heartbeat_ttl_s: float
 
 
@@ -46,6 +47,11 @@ def build_cache_placement(
         max_blocks=settings.placement_index_max_blocks, pending_s=settings.placement_pending_s
     )
     registry = WorkerRegistry(redis, ttl_s=settings.heartbeat_ttl_s)
-    feeder = IndexFeeder(KvEventReader(redis), index, registry)
+    feeder = IndexFeeder(
+        KvEventReader(redis),
+        index,
+        registry,
+        read_interval_s=settings.placement_feed_interval_ms / 1000,
+    )
     placer = CachePlacer(index, CostPolicy.from_settings(settings), on_placed=on_placed)
     return CachePlacement(index=index, feeder=feeder, placer=placer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -14,6 +15,7 @@ from gateway.placement.index_feeder import IndexFeeder
 from gateway.placement.prefix_index import PrefixIndex
 from shared.queue import names
 from shared.queue.kv_events import (
+    Entry,
     KvBatch,
     KvEvent,
     KvEventReader,
@@ -78,6 +80,52 @@ def feeder(redis: aioredis.Redis, index: PrefixIndex, dead_check_s: float = 5.0)
 
 def matched(index: PrefixIndex, worker_id: str = "w1") -> int:
     return index.match(MODEL, None, PROMPT, [worker_id]).get(worker_id, 0)
+
+
+class TimedReader(KvEventReader):
+    """Records when each read began and how many entries it returned."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        super().__init__(redis)
+        self.reads: list[tuple[float, int]] = []
+
+    async def read(
+        self, after: bytes | str, *, block_ms: int, count: int = 512
+    ) -> list[tuple[bytes, Entry | None]]:
+        began = time.monotonic()
+        entries = await super().read(after, block_ms=block_ms, count=count)
+        self.reads.append((began, len(entries)))
+        return entries
+
+
+async def test_reads_come_at_most_once_per_interval_and_miss_nothing(
+    redis_backend: aioredis.Redis,
+) -> None:
+    await alive(redis_backend, "w1")
+    engine = Engine()
+    forwarder = KvEventForwarder(
+        KvEventWriter(redis_backend, "w1"), engine.feed(), MODEL, snapshot_s=60
+    )
+    index, reader = PrefixIndex(), TimedReader(redis_backend)
+    registry = WorkerRegistry(redis_backend, ttl_s=1.0)
+    paced = IndexFeeder(reader, index, registry, block_ms=100, read_interval_s=0.05)
+    forwarding = asyncio.create_task(forwarder.run())
+    try:
+        async with running(paced.run()):
+            for first in range(4):
+                await engine.steps.put([stored(first, 1)])
+                await asyncio.sleep(0.01)
+
+            async def four() -> bool:
+                return matched(index) == 4
+
+            await eventually(four, what="every step's block indexed")
+    finally:
+        await cancel_and_wait([forwarding])
+    starts = [began for began, _ in reader.reads]
+    for (began, count), after in zip(reader.reads, starts[1:], strict=False):
+        if count:
+            assert after - began >= 0.05 - 0.002
 
 
 async def test_events_reach_the_index_and_leaving_drops_them(redis_backend: aioredis.Redis) -> None:
