@@ -71,10 +71,22 @@ async def running(*coros: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
         await cancel_and_wait(tasks)
 
 
-def feeder(redis: aioredis.Redis, index: PrefixIndex, dead_check_s: float = 5.0) -> IndexFeeder:
+def feeder(
+    redis: aioredis.Redis,
+    index: PrefixIndex,
+    dead_check_s: float = 5.0,
+    *,
+    reader: KvEventReader | None = None,
+    read_interval_s: float = 0.0,
+) -> IndexFeeder:
     registry = WorkerRegistry(redis, ttl_s=1.0)
     return IndexFeeder(
-        KvEventReader(redis), index, registry, block_ms=100, dead_check_s=dead_check_s
+        reader or KvEventReader(redis),
+        index,
+        registry,
+        block_ms=100,
+        dead_check_s=dead_check_s,
+        read_interval_s=read_interval_s,
     )
 
 
@@ -107,21 +119,16 @@ async def test_reads_come_at_most_once_per_interval_and_miss_nothing(
         KvEventWriter(redis_backend, "w1"), engine.feed(), MODEL, snapshot_s=60
     )
     index, reader = PrefixIndex(), TimedReader(redis_backend)
-    registry = WorkerRegistry(redis_backend, ttl_s=1.0)
-    paced = IndexFeeder(reader, index, registry, block_ms=100, read_interval_s=0.05)
-    forwarding = asyncio.create_task(forwarder.run())
-    try:
-        async with running(paced.run()):
-            for first in range(4):
-                await engine.steps.put([stored(first, 1)])
-                await asyncio.sleep(0.01)
+    paced = feeder(redis_backend, index, reader=reader, read_interval_s=0.05)
+    async with running(forwarder.run(), paced.run()):
+        for first in range(4):
+            await engine.steps.put([stored(first, 1)])
+            await asyncio.sleep(0.01)
 
-            async def four() -> bool:
-                return matched(index) == 4
+        async def four() -> bool:
+            return matched(index) == 4
 
-            await eventually(four, what="every step's block indexed")
-    finally:
-        await cancel_and_wait([forwarding])
+        await eventually(four, what="every step's block indexed")
     starts = [began for began, _ in reader.reads]
     for (began, count), after in zip(reader.reads, starts[1:], strict=False):
         if count:
