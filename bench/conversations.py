@@ -11,6 +11,10 @@ before it. Three kinds:
   conversation with a system prompt of its own: no two prompts share a prefix.
 * ``skew``: as ``multi-turn``, but a quarter of the conversations send 80 % of the turns.
 
+Conversations start together (a closed load: a slower server gets fewer requests), or,
+with ``arrival_rate``, one after another at Poisson times (an open load, as a trace
+replays or new users arrive: a server slower than the arrivals falls behind).
+
 A conversation whose next turn would pass ``max_context_tokens`` starts over (a new chat
 of the same tenant), so long skewed conversations stay inside the model's context.
 
@@ -47,6 +51,10 @@ class WorkloadSpec:
     output_tokens: int = 64
     think_s: tuple[float, float] = (0.5, 2.0)
     max_context_tokens: int = 6000
+    arrival_rate: float = 0.0
+    """Conversations that start per second, at Poisson times (an open load: new chats keep
+    arriving however slowly the server answers); 0: every conversation starts within the
+    first think time (a closed load)."""
     seed: int = 0
 
 
@@ -111,9 +119,14 @@ def make_plan(spec: WorkloadSpec, vocabulary: int) -> Plan:
         tenant: _words(rng, spec.system_tokens, vocabulary) for tenant in range(spec.tenants)
     }
     conversations = []
+    arrivals = random.Random(f"conveyor-arrivals-{spec.seed}")
+    arrived = 0.0
     for number, count in enumerate(turn_counts(spec)):
         tenant = number % spec.tenants
         start_s = rng.uniform(0.0, spec.think_s[1])
+        if spec.arrival_rate > 0:
+            start_s = arrived
+            arrived += arrivals.expovariate(spec.arrival_rate)
         turns: list[Turn] = []
         context = 0
         for _ in range(count):

@@ -5,6 +5,7 @@
     python -m bench.placement --workload control      # no shared prefixes
     python -m bench.placement --workload skew         # a quarter of conversations: 80 % of turns
     python -m bench.placement --quick                 # a short smoke run
+    python -m bench.placement --conversations 240 --arrival-rate 4   # an open load
 
 Each variant (default ``off:CONVEYOR_PLACEMENT=off`` and ``on:CONVEYOR_PLACEMENT=on``) is
 a fresh `conveyor up` with that environment. Every round sends a new plan (seed +
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--output-tokens", type=int, default=64)
     add("--think-s", type=float, nargs=2, default=[0.5, 2.0], metavar=("MIN", "MAX"))
     add("--max-context-tokens", type=int, default=6000, help="a longer history starts over")
+    add(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="conversations that start per second, at Poisson times (an open load); "
+        "default 0: all start at once (a closed load)",
+    )
     add("--seed", type=int, default=0)
     add("--rounds", type=int, default=3)
     add(
@@ -130,6 +138,7 @@ def workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
         output_tokens=args.output_tokens,
         think_s=(args.think_s[0], args.think_s[1]),
         max_context_tokens=args.max_context_tokens,
+        arrival_rate=args.arrival_rate,
         seed=seed,
     )
 
@@ -338,7 +347,13 @@ def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]
         f"workload {args.workload}: {args.conversations} conversations, {plan.total_turns} "
         f"turns, {args.tenants} tenants x {args.system_tokens}-token system prompts, user "
         f"messages {args.user_tokens[0]}-{args.user_tokens[1]} tokens, {args.output_tokens} "
-        f"output tokens, think {args.think_s[0]}-{args.think_s[1]} s; {args.rounds} round(s) "
+        f"output tokens, think {args.think_s[0]}-{args.think_s[1]} s, "
+        + (
+            f"{args.arrival_rate:g} new conversations/s; "
+            if args.arrival_rate > 0
+            else "all starting at once; "
+        )
+        + f"{args.rounds} round(s) "
         f"({'interleaved' if args.interleave else 'one variant after the other'}), medians",
         f"engine: {args.workers} x {args.engine}; ideal ratio at {args.block_tokens}-token blocks",
     ]

@@ -13,6 +13,8 @@ is read (and before JSON parsing, routing or any other work):
 
 from __future__ import annotations
 
+import functools
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import authenticate, is_loopback
@@ -57,11 +59,28 @@ def _refusal(scope: Scope, state: GatewayState) -> ConveyorError | None:
     return None
 
 
+HOST_MAX_CHARS = 255
+"""Longer than any DNS name: such a Host is judged afresh each time, never remembered."""
+
+
 def host_allowed(host: str | None, settings: GatewaySettings) -> bool:
     """A request without a Host header (HTTP/1.0) comes from no browser: allowed."""
     if host is None:
         return True
-    allowed = {name.strip().lower() for name in settings.allowed_hosts.split(",")}
+    if len(host) > HOST_MAX_CHARS:
+        return _host_allowed(host, settings.allowed_hosts)
+    return _host_allowed_cached(host, settings.allowed_hosts)
+
+
+@functools.lru_cache(maxsize=256)
+def _host_allowed_cached(host: str, allowed_hosts: str) -> bool:
+    """Every request of a client carries the same Host: parsing it (``ipaddress``) once
+    per name, not per request."""
+    return _host_allowed(host, allowed_hosts)
+
+
+def _host_allowed(host: str, allowed_hosts: str) -> bool:
+    allowed = {name.strip().lower() for name in allowed_hosts.split(",")}
     name = host_name(host)
     return "*" in allowed or name in allowed or is_loopback(name)
 

@@ -417,10 +417,10 @@ class GatewaySettings(ImageSettings):
         "that worker waits for, counts more than a queue this job alone waits behind).",
     )
     placement_busy_waiting: int = Field(
-        2,
+        8,
         ge=1,
         description="Cache-aware placement: a worker holding this many jobs not yet started "
-        "is busy and never chosen (affinity yields to load).",
+        "is skipped while another worker is not (affinity yields to load).",
     )
     placement_busy_kv_usage: float = Field(
         0.95,

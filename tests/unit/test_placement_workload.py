@@ -27,6 +27,19 @@ def test_the_same_seed_gives_the_same_plan_and_another_seed_another() -> None:
     assert other.conversations != make_plan(spec, VOCABULARY).conversations
 
 
+def test_an_arrival_rate_starts_conversations_one_after_another_at_that_rate() -> None:
+    """An open load: Poisson starts, the first at once, a mean gap of 1 / rate; the turns
+    are those of the closed plan with the same seed."""
+    closed = WorkloadSpec(conversations=2000, turns=2, seed=5)
+    plan = make_plan(dataclasses.replace(closed, arrival_rate=4.0), VOCABULARY)
+    starts = [c.start_s for c in plan.conversations]
+    assert starts[0] == 0.0
+    assert starts == sorted(starts)
+    assert 0.23 < starts[-1] / (len(starts) - 1) < 0.27
+    same_turns = [c.turns for c in make_plan(closed, VOCABULARY).conversations]
+    assert [c.turns for c in plan.conversations] == same_turns
+
+
 def test_conversations_share_their_tenants_system_prompt_and_keep_their_history() -> None:
     spec = WorkloadSpec(conversations=8, turns=5, tenants=2, user_tokens=(100, 300))
     plan = make_plan(spec, VOCABULARY)

@@ -570,12 +570,23 @@ def test_equal_cost_goes_to_the_least_loaded_then_at_random() -> None:
 def test_busy_worker_skipped() -> None:
     index = PrefixIndex()
     Feed(index).send("w2", stored(tokens(16)))
-    chosen = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", waiting=2)])
+    chosen = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", waiting=8)])
     assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
     full = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", kv=0.99)])
     assert full.worker_id == "w1"
-    none = placer(index).place(request(tokens(17)), [candidate("w2", waiting=5)])
-    assert (none.worker_id, none.reason) == (None, PlacementReason.SHARED)
+    full = placer(index).place(request(tokens(17)), [candidate("w2", kv=0.99)])
+    assert (full.worker_id, full.reason) == (None, PlacementReason.SHARED)
+
+
+def test_when_every_open_worker_has_jobs_waiting_the_cost_chooses_among_them() -> None:
+    """On the shared stream any of them would take the job at once, whatever it holds."""
+    index = PrefixIndex()
+    Feed(index).send("w2", stored(tokens(16)))
+    cands = [candidate("w1", waiting=3), candidate("w2", waiting=2)]
+    chosen = placer(index, busy_waiting=2).place(request(tokens(17)), cands)
+    assert (chosen.worker_id, chosen.reason) == ("w2", PlacementReason.CACHE)
+    busier = [candidate("w1", waiting=2), candidate("w2", waiting=2, queued=20 * SIZE)]
+    assert placer(index, busy_waiting=2).place(request(tokens(17)), busier).worker_id == "w1"
 
 
 def test_worker_without_a_free_slot_skipped() -> None:
