@@ -123,7 +123,7 @@ def make_plan(spec: WorkloadSpec, vocabulary: int) -> Plan:
     arrived = 0.0
     for number, count in enumerate(turn_counts(spec)):
         tenant = number % spec.tenants
-        start_s = rng.uniform(0.0, spec.think_s[1])
+        start_s = rng.uniform(0.0, spec.think_s[1])  # drawn either way: the same turns follow
         if spec.arrival_rate > 0:
             start_s = arrived
             arrived += arrivals.expovariate(spec.arrival_rate)

@@ -343,17 +343,17 @@ def stack_spec(args: argparse.Namespace, plan: Plan, model: Path, log_dir: Path)
 
 
 def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]:
+    starts = (
+        f"{args.arrival_rate:g} new conversations/s"
+        if args.arrival_rate > 0
+        else "all starting at once"
+    )
     lines = [
         f"workload {args.workload}: {args.conversations} conversations, {plan.total_turns} "
         f"turns, {args.tenants} tenants x {args.system_tokens}-token system prompts, user "
         f"messages {args.user_tokens[0]}-{args.user_tokens[1]} tokens, {args.output_tokens} "
-        f"output tokens, think {args.think_s[0]}-{args.think_s[1]} s, "
-        + (
-            f"{args.arrival_rate:g} new conversations/s; "
-            if args.arrival_rate > 0
-            else "all starting at once; "
-        )
-        + f"{args.rounds} round(s) "
+        f"output tokens, think {args.think_s[0]}-{args.think_s[1]} s, {starts}; "
+        f"{args.rounds} round(s) "
         f"({'interleaved' if args.interleave else 'one variant after the other'}), medians",
         f"engine: {args.workers} x {args.engine}; ideal ratio at {args.block_tokens}-token blocks",
     ]

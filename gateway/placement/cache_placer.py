@@ -72,10 +72,12 @@ class CostPolicy:
         stolen, and with the KV cache nearly full it would preempt."""
         return candidate.free_slots <= 0 or candidate.kv_usage >= self.busy_kv_usage
 
+    def queued(self, candidate: Candidate) -> bool:
+        """A job placed here would wait behind others: skip the worker while another is not."""
+        return candidate.waiting >= self.busy_waiting
+
     def busy(self, candidate: Candidate) -> bool:
-        """Full, or a job placed here would wait behind others: skip the worker while
-        another is not busy."""
-        return self.full(candidate) or candidate.waiting >= self.busy_waiting
+        return self.full(candidate) or self.queued(candidate)
 
     @classmethod
     def from_settings(cls, settings: PlacementSettings) -> CostPolicy:
@@ -152,7 +154,7 @@ class CachePlacer:
         ]
         if not open_:
             return Placement(None, PlacementReason.SHARED)
-        free = [c for c in open_ if c.waiting < policy.busy_waiting] or open_
+        free = [c for c in open_ if not policy.queued(c)] or open_
         tokens = request.prompt_token_ids or ()
         matched = (
             self.index.match(request.model, request.lora, tokens, [c.worker_id for c in free])

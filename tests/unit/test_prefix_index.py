@@ -574,8 +574,8 @@ def test_busy_worker_skipped() -> None:
     assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
     full = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", kv=0.99)])
     assert full.worker_id == "w1"
-    full = placer(index).place(request(tokens(17)), [candidate("w2", kv=0.99)])
-    assert (full.worker_id, full.reason) == (None, PlacementReason.SHARED)
+    alone = placer(index).place(request(tokens(17)), [candidate("w2", kv=0.99)])
+    assert (alone.worker_id, alone.reason) == (None, PlacementReason.SHARED)
 
 
 def test_when_every_open_worker_has_jobs_waiting_the_cost_chooses_among_them() -> None:
