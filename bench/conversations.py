@@ -88,11 +88,31 @@ class Plan:
     def total_turns(self) -> int:
         return sum(len(c.turns) for c in self.conversations)
 
-    def working_set_tokens(self) -> int:
-        """Tokens a cache must hold for every conversation's full history at once: each
-        distinct system prompt once, plus every conversation's longest history after it."""
+    def working_set_tokens(self, turn_s: float = 0.0) -> int:
+        """Tokens a cache must hold for every live conversation's full history at once:
+        each distinct system prompt once, plus the longest history of every conversation
+        live at the busiest moment. In a closed load every conversation is live; in an
+        open one a conversation lives from its start through its think times and its
+        turns, each taking at least ``turn_s`` (0: count every conversation)."""
         systems = sum(len(words) for words in self.systems.values())
-        return systems + sum(_longest_history(c, self.spec) for c in self.conversations)
+        if self.spec.arrival_rate <= 0 or turn_s <= 0:
+            live = self.conversations
+            return systems + sum(_longest_history(c, self.spec) for c in live)
+        return systems + self._peak_live_history(turn_s)
+
+    def _peak_live_history(self, turn_s: float) -> int:
+        changes: list[tuple[float, int]] = []
+        for conversation in self.conversations:
+            history = _longest_history(conversation, self.spec)
+            span = sum(turn.think_s for turn in conversation.turns)
+            span += len(conversation.turns) * turn_s
+            changes.append((conversation.start_s, history))
+            changes.append((conversation.start_s + span, -history))
+        peak = current = 0
+        for _, change in sorted(changes):
+            current += change
+            peak = max(peak, current)
+        return peak
 
 
 def turn_counts(spec: WorkloadSpec) -> list[int]:

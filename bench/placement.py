@@ -327,7 +327,10 @@ def stack_spec(args: argparse.Namespace, plan: Plan, model: Path, log_dir: Path)
         FakeTiming(), block_tokens=args.block_tokens, speedup=args.fake_speedup
     )
     blocks = args.fake_kv_blocks or size_kv(
-        plan.working_set_tokens(), args.block_tokens, args.workers, args.kv_fleet_share
+        plan.working_set_tokens(fastest_turn_s(args, timing)),
+        args.block_tokens,
+        args.workers,
+        args.kv_fleet_share,
     )
     return StackSpec(
         engine=args.engine,
@@ -340,6 +343,14 @@ def stack_spec(args: argparse.Namespace, plan: Plan, model: Path, log_dir: Path)
         fake=timing,
         fake_kv_blocks=blocks,
     )
+
+
+def fastest_turn_s(args: argparse.Namespace, timing: FakeTiming) -> float:
+    """A turn's time on an idle fake engine, one bare step per output token: under an
+    open load, the shortest a conversation stays live (so the live working set, and the
+    caches sized from it, are never overstated)."""
+    tokens: int = args.output_tokens
+    return tokens * timing.step_base_ms / 1000 / timing.speedup
 
 
 def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]:
@@ -358,15 +369,16 @@ def describe(args: argparse.Namespace, plan: Plan, spec: StackSpec) -> list[str]
         f"engine: {args.workers} x {args.engine}; ideal ratio at {args.block_tokens}-token blocks",
     ]
     if args.engine == "fake":
-        working = plan.working_set_tokens()
+        working = plan.working_set_tokens(fastest_turn_s(args, spec.fake))
         per_worker = spec.fake_kv_blocks * spec.fake.block_tokens
         t = spec.fake
+        live = "live " if args.arrival_rate > 0 else ""
         lines.append(
             f"fake timing: step {t.step_base_ms} ms + {t.step_per_seq_us} us/sequence + "
             f"{t.prefill_per_token_us} us/uncached prompt token (chunks of "
             f"{t.prefill_chunk_tokens}), divided by {t.speedup}; KV {spec.fake_kv_blocks} "
             "blocks per worker = "
-            f"{per_worker / working:.2f} of the working set ({working} tokens), fleet "
+            f"{per_worker / working:.2f} of the {live}working set ({working} tokens), fleet "
             f"{per_worker * args.workers / working:.2f}x"
         )
     return lines

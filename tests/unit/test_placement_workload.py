@@ -40,6 +40,23 @@ def test_an_arrival_rate_starts_conversations_one_after_another_at_that_rate() -
     assert [c.turns for c in plan.conversations] == same_turns
 
 
+def test_an_open_load_sizes_its_working_set_from_the_conversations_live_at_once() -> None:
+    """Closed: every conversation counts. Open: only those live at the busiest moment,
+    so a slow arrival rate or short conversations need less cache."""
+    closed = WorkloadSpec(conversations=400, turns=3, seed=2)
+    everything = make_plan(closed, VOCABULARY).working_set_tokens()
+    assert make_plan(closed, VOCABULARY).working_set_tokens(turn_s=1.0) == everything
+    open_plan = make_plan(dataclasses.replace(closed, arrival_rate=2.0), VOCABULARY)
+    assert open_plan.working_set_tokens() == everything
+    live = open_plan.working_set_tokens(turn_s=1.0)
+    assert live < everything / 5
+    assert open_plan.working_set_tokens(turn_s=0.1) < live < open_plan.working_set_tokens(5.0)
+    systems = sum(len(words) for words in open_plan.systems.values())
+    # 2 starts/s x (3 x 1.25 s of think time + 3 x 1 s of turns): about 13.5 live at once
+    per_conversation = (everything - systems) / 400
+    assert 8 < (live - systems) / per_conversation < 25
+
+
 def test_conversations_share_their_tenants_system_prompt_and_keep_their_history() -> None:
     spec = WorkloadSpec(conversations=8, turns=5, tenants=2, user_tokens=(100, 300))
     plan = make_plan(spec, VOCABULARY)
