@@ -149,11 +149,10 @@ class CachePlacer:
     def _decide(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
         lora = request.lora
         policy = self.policy
-        open_ = [  # may run it, and has room
-            c for c in candidates if (lora is None or lora in c.adapters) and not policy.full(c)
-        ]
+        able = [c for c in candidates if lora is None or lora in c.adapters]
+        open_ = [c for c in able if not policy.full(c)]
         if not open_:
-            return Placement(None, PlacementReason.SHARED)
+            return Placement(None, PlacementReason.FULL if able else PlacementReason.SHARED)
         free = [c for c in open_ if not policy.queued(c)] or open_
         tokens = request.prompt_token_ids or ()
         matched = (

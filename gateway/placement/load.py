@@ -37,6 +37,6 @@ class LoadPlacer:
     def place(self, request: PlacementRequest, candidates: Sequence[Candidate]) -> Placement:
         open_ = [c for c in candidates if not busy(c, max_kv_usage=self.max_kv_usage)]
         if not open_:
-            return Placement(None, PlacementReason.SHARED)
+            return Placement(None, PlacementReason.FULL if candidates else PlacementReason.SHARED)
         best = min(open_, key=lambda c: (load(c), -c.free_slots, self.rng.random()))
         return Placement(best.worker_id, PlacementReason.LOAD)

@@ -27,8 +27,11 @@ class PlacementReason(StrEnum):
     """No worker that holds part of the prompt is worth its load (or there is no prompt to
     match: a decode job): the least loaded one."""
     SHARED = "shared"
-    """Not placed: placement is off, no worker can be scored, every one is busy, or every
-    free one holds as much of the prompt (none)."""
+    """Not placed: placement is off, no worker can be scored, or every free one holds as
+    much of the prompt (none)."""
+    FULL = "full"
+    """Not placed: every worker that may run the job is full (no free slot, or its KV cache
+    nearly full); it waits on the shared stream for the first one with room."""
     STEAL = "steal"
     """A placed job waited too long on its worker and another, idle worker took it."""
 

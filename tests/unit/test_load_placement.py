@@ -51,13 +51,13 @@ def test_the_least_loaded_worker_wins() -> None:
     assert (placed.worker_id, placed.reason) == ("decoding", PlacementReason.LOAD)
 
 
-def test_busy_workers_are_skipped_and_all_busy_means_shared() -> None:
+def test_busy_workers_are_skipped_and_all_busy_means_full() -> None:
     full = candidate("full", free_slots=0)
     thrashing = candidate("thrashing", kv_usage=0.97)
     loaded = candidate("loaded", running=40, queued_prefill_tokens=5000)
     placer = LoadPlacer()
     assert placer.place(REQUEST, [full, thrashing, loaded]).worker_id == "loaded"
-    assert placer.place(REQUEST, [full, thrashing]).reason is PlacementReason.SHARED
+    assert placer.place(REQUEST, [full, thrashing]).reason is PlacementReason.FULL
 
 
 def test_ties_are_broken_at_random() -> None:

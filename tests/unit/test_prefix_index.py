@@ -575,7 +575,7 @@ def test_busy_worker_skipped() -> None:
     full = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", kv=0.99)])
     assert full.worker_id == "w1"
     alone = placer(index).place(request(tokens(17)), [candidate("w2", kv=0.99)])
-    assert (alone.worker_id, alone.reason) == (None, PlacementReason.SHARED)
+    assert (alone.worker_id, alone.reason) == (None, PlacementReason.FULL)
 
 
 def test_when_every_open_worker_has_jobs_waiting_the_cost_chooses_among_them() -> None:
@@ -596,7 +596,7 @@ def test_worker_without_a_free_slot_skipped() -> None:
     chosen = placer(index).place(request(tokens(17)), cands)
     assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
     alone = placer(index).place(request(tokens(17)), cands[1:])
-    assert (alone.worker_id, alone.reason) == (None, PlacementReason.SHARED)
+    assert (alone.worker_id, alone.reason) == (None, PlacementReason.FULL)
 
 
 def test_cache_key_affinity() -> None:
