@@ -417,7 +417,7 @@ class GatewaySettings(ImageSettings):
         "that worker waits for, counts more than a queue this job alone waits behind).",
     )
     placement_busy_waiting: int = Field(
-        8,
+        32,
         ge=1,
         description="Cache-aware placement: a worker holding this many jobs not yet started "
         "is skipped while another worker is not (affinity yields to load).",

@@ -58,7 +58,7 @@ class CostPolicy:
     queue_weight: float = 0.5
     """A worker's queued prefill blocks, against the job's own uncached ones: a cache miss
     delays every job that queues behind it on that worker, a queue only this job."""
-    busy_waiting: int = 8
+    busy_waiting: int = 32
     """A worker holding this many jobs not started yet is busy. Not fewer: an engine that
     steps every few hundred ms holds a job or two between steps at any load, and skipping
     such workers sent a loaded fleet's turns away from their caches (an open load of
