@@ -570,7 +570,9 @@ def test_equal_cost_goes_to_the_least_loaded_then_at_random() -> None:
 def test_busy_worker_skipped() -> None:
     index = PrefixIndex()
     Feed(index).send("w2", stored(tokens(16)))
-    chosen = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", waiting=32)])
+    chosen = placer(index).place(
+        request(tokens(17)), [candidate("w1"), candidate("w2", waiting=32)]
+    )
     assert (chosen.worker_id, chosen.reason) == ("w1", PlacementReason.LOAD)
     full = placer(index).place(request(tokens(17)), [candidate("w1"), candidate("w2", kv=0.99)])
     assert full.worker_id == "w1"
