@@ -96,8 +96,7 @@ class Plan:
         turns, each taking at least ``turn_s`` (0: count every conversation)."""
         systems = sum(len(words) for words in self.systems.values())
         if self.spec.arrival_rate <= 0 or turn_s <= 0:
-            live = self.conversations
-            return systems + sum(_longest_history(c, self.spec) for c in live)
+            return systems + sum(_longest_history(c, self.spec) for c in self.conversations)
         return systems + self._peak_live_history(turn_s)
 
     def _peak_live_history(self, turn_s: float) -> int:
