@@ -33,7 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chat_load import Message, TurnResult, new_client, run_plan, send_turn
 from bench.conversations import KINDS, Plan, WorkloadSpec, make_plan, words_text
-from bench.placement_report import VariantResult, print_table, summarize, write_json
+from bench.placement_report import (
+    VariantResult,
+    print_table,
+    summarize,
+    write_json,
+    write_turns,
+)
 from bench.placement_stack import (
     FakeTiming,
     StackSpec,
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--startup-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=None)
     add("--json-out", type=Path, default=None)
+    add(
+        "--turns-out",
+        type=Path,
+        default=None,
+        help="every turn of every round, one JSON line each (variant, round, times, tokens)",
+    )
     return parser
 
 
@@ -197,6 +209,8 @@ def measure_round(bench: Bench, number: int, server: ManagedServer, into: Varian
     )
     summary = summarize(results, took, bench.tokenize, bench.args.block_tokens)
     into.rounds.append(summary)
+    if bench.args.turns_out is not None:
+        write_turns(bench.args.turns_out, server.name, number, results)
     counts = placement_counts(server.base_url)
     placed = ", ".join(
         f"{k} {v - into.placed.get(k, 0):.0f}"

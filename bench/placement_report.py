@@ -1,4 +1,4 @@
-"""The placement benchmark's figures: one round's summary, the table, the JSON file."""
+"""The placement benchmark's figures: one round's summary, the table, the JSON files."""
 
 from __future__ import annotations
 
@@ -206,3 +206,26 @@ def write_json(path: Path, config: dict[str, Any], variants: Sequence[VariantRes
         },
     }
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def write_turns(path: Path, variant: str, number: int, results: list[TurnResult]) -> None:
+    """One JSON line per turn, appended; times in seconds from the round's first start."""
+    zero = min((r.start for r in results), default=0.0)
+    with path.open("a") as out:
+        for r in results:
+            row = {
+                "variant": variant,
+                "round": number + 1,
+                "conversation": r.conversation,
+                "turn": r.turn + 1,
+                "start_s": round(r.start - zero, 4),
+                "ttft_ms": None
+                if r.first_token is None
+                else round((r.first_token - r.start) * 1e3, 1),
+                "end_s": round(r.end - zero, 4),
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "error": r.error,
+            }
+            out.write(json.dumps(row) + "\n")
