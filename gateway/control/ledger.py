@@ -9,7 +9,7 @@ Every gateway process runs one consumer of the ``ledger`` group. Its loop:
    full, linger a moment first, so rows are written many to a transaction;
 3. decode; an entry that cannot be decoded goes to the dead-letter stream;
 4. insert the batch in one transaction, skipping request ids already in the ledger;
-5. only after the commit, XACK + XDEL the batch in one MULTI.
+5. only after the commit, XACK + XDEL the batch in one script call.
 
 A database error leaves the batch pending: back off (0.1 s, doubling to 5 s) and go
 to 2, which reads the same entries again. Rows are delayed, never lost, and never
@@ -37,6 +37,12 @@ from shared.connections.connect import MAX_BLOCK_MS, as_text
 from shared.errors import ProtocolError
 from shared.queue import names
 from shared.queue.usage import UsageRecord, decode_usage
+
+_ACK_DELETE = """
+-- KEYS: the usage stream. ARGV: its consumer group, then the entry ids.
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+return redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+"""
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class LedgerConsumer:
         policy: LedgerPolicy = LedgerPolicy(),
     ) -> None:
         self._redis = redis
+        self._ack_delete = redis.register_script(_ACK_DELETE)
         self._sessions = sessions
         self.consumer = consumer
         self._policy = policy
@@ -242,10 +249,7 @@ class LedgerConsumer:
     async def _ack(self, entry_ids: Sequence[str]) -> None:
         if not entry_ids:
             return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.xack(names.USAGE_STREAM, names.USAGE_GROUP, *entry_ids)
-            pipe.xdel(names.USAGE_STREAM, *entry_ids)
-            await pipe.execute()
+        await self._ack_delete(keys=[names.USAGE_STREAM], args=[names.USAGE_GROUP, *entry_ids])
 
     async def _dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str) -> None:
         log.error(

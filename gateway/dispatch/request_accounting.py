@@ -7,7 +7,7 @@ keeps alive. When the request's handle closes, :meth:`settle` gives back the
 unused token reservation and frees the slot, queues the usage row and closes the
 open record (shared/queue/open_requests.py), retrying through a short Redis outage. Requests
 that end while such a write is in flight are closed together in the next one
-(gateway/dispatch/group_commit.py): under load one MULTI closes many.
+(gateway/dispatch/group_commit.py): under load one script call closes many.
 """
 
 from __future__ import annotations
