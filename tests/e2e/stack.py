@@ -28,6 +28,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each stays bound until all are chosen (one at a
+    time, the kernel may hand the port it just freed out again)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 @dataclass
 class Process:
     name: str

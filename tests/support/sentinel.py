@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 
 from conveyor.redis_server import DURABLE_OPTIONS
-from tests.e2e.stack import free_port
+from tests.e2e.stack import free_ports
 
 SERVICE = "conveyor"
 QUORUM = 2
@@ -41,14 +41,24 @@ def redis_binary() -> str:
 class SentinelGroup:
     workdir: Path
     db: int = 0
-    master_port: int = field(default_factory=free_port)
-    replica_port: int = field(default_factory=free_port)
-    sentinel_ports: tuple[int, ...] = field(
-        default_factory=lambda: (free_port(), free_port(), free_port())
-    )
+    ports: list[int] = field(default_factory=lambda: free_ports(5))
+    """Master, replica and the three Sentinels: distinct (two of them on one port left a
+    Sentinel exiting at start and the group never settled)."""
     nodes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     killed_at: float | None = None
     """When :meth:`kill_master` last killed one (``time.monotonic()``)."""
+
+    @property
+    def master_port(self) -> int:
+        return self.ports[0]
+
+    @property
+    def replica_port(self) -> int:
+        return self.ports[1]
+
+    @property
+    def sentinel_ports(self) -> tuple[int, ...]:
+        return tuple(self.ports[2:])
 
     @property
     def url(self) -> str:
