@@ -209,8 +209,6 @@ class OpenRequests:
         """:meth:`close` for many requests of one gateway, in one script call (a MULTI of
         the same commands cost the gateway's client about twice the CPU: it sends and
         parses every command and its QUEUED reply)."""
-        if not records:
-            return
         keys = [names.USAGE_STREAM, names.open_requests(gateway_id)]
         args: list[bytes | str | int] = [STATUS_FINISHED_TTL_S, VERSION_FIELD, PAYLOAD_FIELD]
         for record in records:
